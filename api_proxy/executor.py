@@ -22,10 +22,10 @@ from typing import Protocol
 import torch
 
 from streambox.device import Event, MemoryPool, Runtime, Stream
-
-from .device_tensor import DeviceTensor, upload_tensor
 from streambox.kernel_compiler.ops import invoke_kernel
 from streambox.kernel_compiler.plan import Kernel, KernelPlan, VarSpec
+
+from .device_tensor import DeviceTensor, upload_tensor
 
 #: Threads per block times elements per thread of a typical elementwise kernel: the emulated grid size.
 ELEMENTS_PER_BLOCK = 1024
@@ -58,6 +58,8 @@ class DeviceModel:
 
     plan: KernelPlan
     weights: dict[str, DeviceTensor]
+    # Tensor views over the resident weights, built once: a run only makes views of what it allocates.
+    weight_views: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def weight_bytes(self) -> int:
@@ -93,13 +95,15 @@ def upload_model(runtime: Runtime, plan: KernelPlan, allocator: Allocator, strea
         name: upload_tensor(runtime, tensor, allocator.allocate, stream)
         for name, tensor in plan.load_weights().items()
     }
-    return DeviceModel(plan, weights)
+    views = {name: tensor.view(runtime) for name, tensor in weights.items()}
+    return DeviceModel(plan, weights, views)
 
 
 def free_model(model: DeviceModel, allocator: Allocator, stream: Stream) -> None:
     for tensor in model.weights.values():
         allocator.free(tensor.address, stream)
     model.weights.clear()
+    model.weight_views.clear()
 
 
 def _grid_blocks(var: VarSpec) -> int:
@@ -137,7 +141,8 @@ class PlanExecutor:
         started = time.perf_counter()
         stats = RunStats()
         handles: dict[str, DeviceTensor] = {**model.weights, **inputs}
-        env: dict[str, torch.Tensor] = {name: t.view(self.runtime) for name, t in handles.items()}
+        env: dict[str, torch.Tensor] = dict(model.weight_views)
+        env.update((name, t.view(self.runtime)) for name, t in inputs.items())
         owned: dict[str, DeviceTensor] = {}  # allocated by this run: intermediates and outputs
         counts: dict[str, int] = {}
         live = 0

@@ -12,7 +12,8 @@ from streambox.config import Config
 def _add_device_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", help="device backend: emulated (default) or cuda [STREAMBOX_BACKEND]")
     parser.add_argument(
-        "--device-preset", help="emulated device preset: v100-16gb (default), h100-80gb [STREAMBOX_DEVICE_PRESET]"
+        "--device-preset",
+        help="emulated device preset: v100-16gb (default), h100-80gb [STREAMBOX_DEVICE_PRESET]",
     )
     parser.add_argument("--gpus", type=int, help="number of emulated GPUs (default 1) [STREAMBOX_GPUS]")
 

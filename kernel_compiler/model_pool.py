@@ -1,0 +1,108 @@
+"""The model pool: lowered plans on disk, keyed by model, batch and input shape.
+
+Layout: ``root/<model>/b<batch>_<d0>x<d1>x.../`` holding ``plan.json``, ``weights.safetensors`` and
+``memory_profile.json``. A plan directory is written under a temporary name beside its final place and
+renamed into place in one step, so a reader (another process included) sees either no plan or a whole
+one. Two processes lowering the same key at once both do the work; the first rename wins and the
+second discards its copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .lowering import lower_model
+from .memory_profile import MemoryProfile, profile_plan
+from .plan import PLAN_FILE, KernelPlan
+from .zoo import get_entry
+
+PROFILE_FILE = "memory_profile.json"
+ENV_ROOT = "STREAMBOX_MODEL_POOL"
+
+LowerFn = Callable[[str, int, tuple[int, ...]], KernelPlan]
+
+
+def default_root() -> Path:
+    env = os.environ.get(ENV_ROOT)
+    return Path(env) if env else Path.home() / ".cache" / "streambox" / "model_pool"
+
+
+@dataclass(frozen=True)
+class PoolEntry:
+    model: str
+    batch: int
+    input_shape: tuple[int, ...]
+    path: Path
+
+
+def _shape_key(shape: tuple[int, ...]) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+class ModelPool:
+    """Plans on disk; ``get_or_lower`` lowers a (model, batch, shape) only the first time."""
+
+    def __init__(self, root: Path | str | None = None, lower_fn: LowerFn = lower_model) -> None:
+        self.root = Path(root) if root is not None else default_root()
+        self._lower = lower_fn
+
+    def path_for(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> Path:
+        shape = self._shape(model, input_shape)
+        return self.root / model / f"b{batch}_{_shape_key(shape)}"
+
+    def get(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> KernelPlan | None:
+        path = self.path_for(model, batch, input_shape)
+        return KernelPlan.load(path) if (path / PLAN_FILE).exists() else None
+
+    def get_or_lower(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> KernelPlan:
+        shape = self._shape(model, input_shape)
+        final = self.path_for(model, batch, shape)
+        if not (final / PLAN_FILE).exists():
+            plan = self._lower(model, batch, shape)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+            try:
+                plan.save(tmp)
+                (tmp / PROFILE_FILE).write_text(profile_plan(plan).to_json())
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / PLAN_FILE).exists():
+                    raise
+                # Lost a race with another lowering of the same key: keep the winner's plan.
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return KernelPlan.load(final)
+
+    def profile(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> MemoryProfile:
+        """The memory profile stored with the plan (lowering the plan first if needed)."""
+        path = self.path_for(model, batch, input_shape)
+        if not (path / PROFILE_FILE).exists():
+            plan = self.get_or_lower(model, batch, input_shape)
+            tmp = path / f".{PROFILE_FILE}.{os.getpid()}"
+            tmp.write_text(profile_plan(plan).to_json())
+            os.replace(tmp, path / PROFILE_FILE)
+        return MemoryProfile.from_json((path / PROFILE_FILE).read_text())
+
+    def list(self) -> list[PoolEntry]:
+        """Every complete plan in the pool, sorted by model, batch and shape."""
+        entries: list[PoolEntry] = []
+        if not self.root.is_dir():
+            return entries
+        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            for d in model_dir.iterdir():
+                if d.name.startswith(".") or not (d / PLAN_FILE).exists():
+                    continue
+                batch, _, shape = d.name.partition("_")
+                entries.append(
+                    PoolEntry(model_dir.name, int(batch[1:]), tuple(int(s) for s in shape.split("x")), d)
+                )
+        return sorted(entries, key=lambda e: (e.model, e.batch, e.input_shape))
+
+    @staticmethod
+    def _shape(model: str, input_shape: tuple[int, ...] | None) -> tuple[int, ...]:
+        return tuple(input_shape) if input_shape is not None else get_entry(model).input_shape

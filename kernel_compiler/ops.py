@@ -1,0 +1,83 @@
+"""Running one kernel of a plan on tensors that someone else allocated.
+
+``invoke_kernel`` is the only place that calls torch ops for a plan: it resolves the kernel's
+arguments from ``env`` (variable name -> tensor) and writes into the output tensors already in
+``env``. The executor owns allocation and recycling; this module allocates nothing except the
+temporary result of a fallback kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import argcodec
+from .argcodec import DeviceArg, VarRef
+from .plan import Kernel
+
+
+@functools.cache
+def resolve_op(name: str) -> torch._ops.OpOverload:
+    """``"aten.convolution.out"`` -> ``torch.ops.aten.convolution.out`` (cached per name)."""
+    ns, packet, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), packet), overload)
+
+
+@dataclass
+class _Prepared:
+    op: torch._ops.OpOverload
+    args: list[Any]
+    kwargs: dict[str, Any]
+
+
+def _prepare(kernel: Kernel) -> _Prepared:
+    # Decoding once per kernel keeps the per-call cost to a walk that swaps references for tensors.
+    if kernel._prepared is None:
+        kernel._prepared = _Prepared(
+            resolve_op(kernel.op),
+            argcodec.decode(kernel.args),
+            {k: argcodec.decode(v) for k, v in kernel.kwargs.items()},
+        )
+    return kernel._prepared
+
+
+def _resolve(value: Any, env: dict[str, torch.Tensor], device: torch.device | None) -> Any:
+    if isinstance(value, VarRef):
+        return env[value.name]
+    if isinstance(value, list):
+        return [_resolve(v, env, device) for v in value]
+    if isinstance(value, DeviceArg):
+        return device if device is not None else torch.device(value.recorded)
+    return value
+
+
+def invoke_kernel(kernel: Kernel, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run ``kernel`` with tensors from ``env``; returns its outputs by variable name.
+
+    Compute kernels write into ``env[name]`` for each output (preallocated by the caller) and return
+    those tensors. View kernels return new alias tensors, which the caller stores into ``env``.
+    """
+    p = _prepare(kernel)
+    if kernel.kind == "view":
+        result = p.op(
+            *_resolve(p.args, env, None), **{k: _resolve(v, env, None) for k, v in p.kwargs.items()}
+        )
+        if isinstance(result, list | tuple):
+            return dict(zip(kernel.outputs, result, strict=True))
+        return {kernel.outputs[0]: result}
+
+    outs = [env[n] for n in kernel.outputs]
+    device = outs[0].device
+    args = _resolve(p.args, env, device)
+    kwargs = {k: _resolve(v, env, device) for k, v in p.kwargs.items()}
+    if kernel.fallback:
+        result = p.op(*args, **kwargs)
+        for dst, src in zip(outs, result if isinstance(result, list | tuple) else [result], strict=True):
+            dst.copy_(src)
+    else:
+        kwargs.update(zip(kernel.out_args, outs, strict=True))
+        p.op(*args, **kwargs)
+    return dict(zip(kernel.outputs, outs, strict=True))

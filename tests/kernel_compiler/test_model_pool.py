@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from streambox.kernel_compiler.lowering import lower_model
+from streambox.kernel_compiler.model_pool import ModelPool, PoolEntry, default_root
+from streambox.kernel_compiler.plan import KernelPlan
+
+SHAPE = (3, 16, 16)
+
+
+class CountingLower:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, tuple[int, ...]]] = []
+
+    def __call__(self, model: str, batch: int, shape: tuple[int, ...]) -> KernelPlan:
+        self.calls.append((model, batch, shape))
+        return lower_model(model, batch, shape)
+
+
+def test_lowers_once_and_lists(tmp_path: Path) -> None:
+    lower = CountingLower()
+    pool = ModelPool(tmp_path, lower_fn=lower)
+    assert pool.get("espcn", 1, SHAPE) is None
+    first = pool.get_or_lower("espcn", 1, SHAPE)
+    second = pool.get_or_lower("espcn", 1, SHAPE)
+    third = ModelPool(tmp_path, lower_fn=lower).get_or_lower("espcn", 1, SHAPE)  # a fresh process's view
+    assert lower.calls == [("espcn", 1, SHAPE)]
+    assert first == second == third
+    path = tmp_path / "espcn" / "b1_3x16x16"
+    assert pool.path_for("espcn", 1, SHAPE) == path
+    assert pool.list() == [PoolEntry("espcn", 1, SHAPE, path)]
+    assert not [p for p in (tmp_path / "espcn").iterdir() if p.name.startswith(".")]  # no temp left
+    profile = pool.profile("espcn", 1, SHAPE)
+    assert profile.model == "espcn" and len(profile.kernels) == len(first.kernels)
+    assert len(lower.calls) == 1
+
+
+def test_default_shape_comes_from_the_zoo(tmp_path: Path) -> None:
+    pool = ModelPool(tmp_path)
+    assert pool.path_for("text_encoder", 4) == tmp_path / "text_encoder" / "b4_64"
+
+
+def test_lost_race_keeps_the_winner(tmp_path: Path) -> None:
+    """Another process finishes the same key while we lower: our rename fails, theirs stays."""
+    winner = ModelPool(tmp_path)
+
+    def slow_lower(model: str, batch: int, shape: tuple[int, ...]) -> KernelPlan:
+        winner.get_or_lower(model, batch, shape)  # the other process, finishing first
+        plan = lower_model(model, batch, shape)
+        plan.meta["loser"] = True
+        return plan
+
+    plan = ModelPool(tmp_path, lower_fn=slow_lower).get_or_lower("espcn", 1, SHAPE)
+    assert "loser" not in plan.meta
+    assert [e.model for e in winner.list()] == ["espcn"]
+    assert not [p for p in (tmp_path / "espcn").iterdir() if p.name.startswith(".")]
+
+
+def test_default_root_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path))
+    assert default_root() == tmp_path and ModelPool().root == tmp_path
+    monkeypatch.delenv("STREAMBOX_MODEL_POOL")
+    assert default_root() == Path(os.path.expanduser("~")) / ".cache" / "streambox" / "model_pool"
