@@ -89,4 +89,5 @@ def preset(name: str) -> DeviceSpec:
     try:
         return PRESETS[name.lower()]
     except KeyError:
-        raise KeyError(f"unknown device preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
+        known = ", ".join(sorted(PRESETS))
+        raise KeyError(f"unknown device preset {name!r}; known presets: {known}") from None

@@ -1,0 +1,556 @@
+"""The emulated backend: the default device of StreamBox, with CUDA's semantics and a modelled link.
+
+- Device memory is real host memory (one uint8 tensor per allocation) at synthetic, never-reused
+  addresses (`address_space.py`), with exact byte accounting against the spec's capacity, shared by
+  every process that opens the same emulated GPU (`ledger.py`).
+- Creating a runtime costs `spec.context_create_s` and `spec.context_memory` device bytes.
+- Streams are in-order worker threads; events follow CUDA (`emulated_stream.py`).
+- Each runtime has one host-to-device, one device-to-host and one peer copy engine, served FIFO across
+  all its streams on a modelled link (`copy_engine.py`). Device-to-device copies run on the stream at
+  `device_bandwidth`. Pinned host buffers cost `pinned_alloc_s_per_byte` to allocate; a CPU tensor is
+  pageable memory: staged at issue and moved at `pageable_bandwidth`.
+- Kernels are Python callables run on the stream's worker over `view`s of device memory; compute units
+  are accounted (`compute.py`). A failing kernel raises `KernelError` at the next synchronize of its
+  stream and does not stop the stream.
+- Every operation can be recorded on a bounded timeline (lanes `stream:<id>`, `h2d`, `d2h`, `peer`).
+
+Where it deliberately differs from CUDA:
+- Errors are per stream, not sticky per context: a failing kernel (or a copy that finds its memory
+  freed) is raised once by the next synchronize of its stream or of an event recorded after it, and
+  the stream keeps running; other streams never see it. Closing a runtime drops unreported errors.
+- `mem_free` is immediate and never synchronises the device; work still queued on that memory fails
+  with `InvalidAddress` (copies) or `KernelError` (kernels that make their views when they run).
+  A view made *before* the free and used after it cannot be detected (it keeps the bytes alive).
+- Stream priority is stored only; copy engines are FIFO (as real copy engines ignore priority) and
+  kernels are admitted to compute units first come, first served.
+- Times are modelled for copies (exact link arithmetic) and real for kernels.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .address_space import ADDRESS_SPACE, Allocation, AllocationTable
+from .base import (
+    Backend,
+    DeviceError,
+    DeviceProperties,
+    DeviceUsage,
+    Event,
+    HostBuffer,
+    InvalidAddress,
+    KernelError,
+    MemoryPool,
+    Runtime,
+    Stream,
+    TimelineRecord,
+    aligned,
+)
+from .compute import ComputeStats, ComputeUnits, units_for
+from .copy_engine import CopyEngine, CopyJob, sleep_until
+from .emulated_pool import EmulatedPool
+from .emulated_stream import EmulatedEvent, EmulatedStream
+from .ledger import Ledger, default_state_dir, ledger_path
+from .specs import V100_16GB, DeviceSpec, preset
+
+DEFAULT_TIMELINE_LIMIT = 100_000
+
+_runtime_ids = itertools.count(1)
+
+
+class EmulatedHostBuffer(HostBuffer):
+    """Host memory for copies. `pinned` only changes the modelled cost (allocation and bandwidth)."""
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        self.nbytes = nbytes
+        self.pinned = pinned
+        self._data: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8)
+
+    def __repr__(self) -> str:
+        return f"<EmulatedHostBuffer {self.nbytes} bytes {'pinned' if self.pinned else 'pageable'}>"
+
+    def tensor(self) -> torch.Tensor:
+        if self._data is None:
+            raise DeviceError("host buffer has been freed")
+        return self._data
+
+    def free(self) -> None:
+        self._data = None
+
+
+def _host_bytes(obj: HostBuffer | torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
+    """A flat uint8 view of a host buffer or CPU tensor, and whether it is pinned."""
+    if isinstance(obj, HostBuffer):
+        return obj.tensor(), obj.pinned
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            raise DeviceError(f"{what}: the emulated device copies only CPU tensors, got {obj.device}")
+        if not obj.is_contiguous():
+            raise ValueError(f"{what}: host tensor must be contiguous")
+        return obj.reshape(-1).view(torch.uint8), False
+    raise TypeError(f"{what}: expected a HostBuffer or a CPU tensor, got {type(obj).__name__}")
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _check_range(total: int, offset: int, nbytes: int, what: str) -> None:
+    if nbytes < 0 or offset < 0:
+        raise ValueError(f"{what}: negative size or offset ({nbytes}, {offset})")
+    if offset + nbytes > total:
+        raise ValueError(f"{what}: host range [{offset}, {offset + nbytes}) exceeds {total} bytes")
+
+
+def _device_bytes(alloc: Allocation, offset: int, nbytes: int, what: str) -> torch.Tensor:
+    """The bytes of a device range when the copy runs (the memory may have been freed meanwhile)."""
+    data = alloc.data
+    if data is None or not alloc.usable:
+        raise InvalidAddress(
+            f"use after free: {what} at device address {alloc.start + offset:#x}: allocation "
+            f"{alloc.start:#x} was {alloc.state.value} before the stream reached the copy"
+        )
+    return data[offset : offset + nbytes]
+
+
+class EmulatedRuntime(Runtime):
+    """One context on one emulated device. Made by `EmulatedBackend.open_runtime`."""
+
+    def __init__(
+        self,
+        backend: EmulatedBackend,
+        index: int,
+        ledger: Ledger,
+        *,
+        timeline: bool = True,
+        timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
+    ) -> None:
+        self.index = index
+        self.spec: DeviceSpec = backend.spec
+        self.backend = backend
+        self.id = next(_runtime_ids)
+        self.name_tag = f"d{index}-r{self.id}"
+        self._ledger = ledger
+        self._slot = ledger.acquire_slot(self.id, self.spec.context_memory)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._allocated = self.spec.context_memory
+        self._table = AllocationTable()
+        self._pools: set[EmulatedPool] = set()
+        self._streams: dict[int, EmulatedStream] = {}
+        self._all_streams: list[EmulatedStream] = []  # destroyed ones too, to join at close
+        self._stream_ids = itertools.count()
+        self._compute = ComputeUnits(self.spec.compute_units)
+        self._timeline_on = timeline
+        self._timeline: deque[TimelineRecord] = deque(maxlen=timeline_limit)
+        self._h2d = CopyEngine("h2d", f"streambox-emu-{self.name_tag}-h2d", self._record)
+        self._d2h = CopyEngine("d2h", f"streambox-emu-{self.name_tag}-d2h", self._record)
+        self._peer = CopyEngine("peer", f"streambox-emu-{self.name_tag}-peer", self._record)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._allocated} bytes"
+        return f"<EmulatedRuntime {self.name_tag} {self.spec.name} {state}>"
+
+    # -- internals shared with streams and pools -------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeviceError(f"runtime {self.name_tag} is closed")
+
+    def own_stream(self, stream: Stream) -> EmulatedStream:
+        if not isinstance(stream, EmulatedStream) or stream.runtime is not self:
+            raise DeviceError(f"{stream!r} is not a stream of runtime {self.name_tag}")
+        return stream
+
+    def reserve(self, nbytes: int, owner: object = None) -> Allocation:
+        """Reserve device memory (counted in the ledger) backed by a fresh host tensor."""
+        self._check_open()
+        size = aligned(nbytes)
+        self._ledger.reserve(self._slot, self.id, size)
+        try:
+            data = torch.empty(size, dtype=torch.uint8)
+        except (RuntimeError, MemoryError) as exc:
+            self._ledger.release(self._slot, self.id, size)
+            raise DeviceError(f"host memory backing {size} device bytes could not be allocated") from exc
+        alloc = Allocation(ADDRESS_SPACE.reserve(size), size, data, owner)
+        self._table.insert(alloc)
+        with self._lock:
+            self._allocated += size
+        return alloc
+
+    def release(self, alloc: Allocation) -> None:
+        """Give an allocation back to the device. Its address stays dead forever."""
+        self._table.remove(alloc.start)
+        self._ledger.release(self._slot, self.id, alloc.size)
+        with self._lock:
+            self._allocated -= alloc.size
+
+    def forget_stream(self, stream: EmulatedStream) -> None:
+        with self._lock:
+            if self._streams.pop(stream.id, None) is not None:
+                self._ledger.add_streams(self._slot, self.id, -1)
+
+    def forget_pool(self, pool: EmulatedPool) -> None:
+        with self._lock:
+            self._pools.discard(pool)
+
+    def sync_point(self) -> None:
+        """A stream or event synchronize: pools give back cached memory above their threshold."""
+        with self._lock:
+            pools = list(self._pools)
+        for pool in pools:
+            pool.apply_release_threshold()
+
+    def _record(self, record: TimelineRecord) -> None:
+        if self._timeline_on:
+            self._timeline.append(record)
+
+    # -- properties -------------------------------------------------------------------------
+    def properties(self) -> DeviceProperties:
+        link = self.spec.link
+        return DeviceProperties(
+            index=self.index,
+            name=self.spec.name,
+            total_memory=self.spec.total_memory,
+            compute_units=self.spec.compute_units,
+            backend="emulated",
+            extra={
+                "link": link,
+                "context_memory": self.spec.context_memory,
+                "context_create_s": self.spec.context_create_s,
+                "ledger": str(self._ledger.path),
+                "runtime_id": self.id,
+            },
+        )
+
+    def memory_info(self) -> tuple[int, int]:
+        usage = self._ledger.usage()
+        return usage.total_memory - usage.used_memory, usage.total_memory
+
+    def allocated_bytes(self) -> int:
+        with self._lock:
+            return self._allocated
+
+    # -- memory -----------------------------------------------------------------------------
+    def mem_alloc(self, nbytes: int) -> int:
+        if nbytes < 0:
+            raise ValueError(f"negative size: {nbytes}")
+        return self.reserve(nbytes).start
+
+    def mem_free(self, address: int) -> None:
+        alloc = self._table.get(address)
+        if alloc is None:
+            self._table.remove(address)  # raises InvalidAddress: double free or not an allocation
+        elif alloc.owner is not None:
+            raise InvalidAddress(
+                f"device address {address:#x} belongs to a memory pool: free it with free_async"
+            )
+        else:
+            self.release(alloc)
+
+    def create_pool(self, release_threshold: int = 0) -> MemoryPool:
+        self._check_open()
+        pool = EmulatedPool(self, release_threshold)
+        with self._lock:
+            self._pools.add(pool)
+        return pool
+
+    def host_alloc(self, nbytes: int, pinned: bool = True) -> HostBuffer:
+        if nbytes < 0:
+            raise ValueError(f"negative size: {nbytes}")
+        if pinned:
+            time.sleep(nbytes * self.spec.link.pinned_alloc_s_per_byte)
+        return EmulatedHostBuffer(nbytes, pinned)
+
+    # -- streams and events -----------------------------------------------------------------
+    def create_stream(self, priority: int = 0) -> Stream:
+        with self._lock:
+            self._check_open()
+            stream = EmulatedStream(self, next(self._stream_ids), priority)
+            self._streams[stream.id] = stream
+            self._all_streams.append(stream)
+            self._ledger.add_streams(self._slot, self.id, 1)
+        return stream
+
+    def create_event(self, timing: bool = True) -> Event:
+        self._check_open()
+        return EmulatedEvent(self, timing)
+
+    # -- copies -----------------------------------------------------------------------------
+    def copy_htod_async(
+        self, dst: int, src: HostBuffer | torch.Tensor, nbytes: int, stream: Stream, src_offset: int = 0
+    ) -> None:
+        self._check_open()
+        s = self.own_stream(stream)
+        host, pinned = _host_bytes(src, "htod copy source")
+        _check_range(host.numel(), src_offset, nbytes, "htod copy source")
+        alloc, offset = self._table.resolve(dst, nbytes, "htod copy")
+        source = host[src_offset : src_offset + nbytes]
+        if not pinned:
+            source = source.clone()  # pageable memory is staged by the driver at issue
+
+        def run() -> None:
+            _device_bytes(alloc, offset, nbytes, "htod copy").copy_(source)
+
+        cost = self.spec.link.copy_seconds(nbytes, pinned)
+        s.enqueue_copy(self._h2d, CopyJob("htod", f"htod {s.lane}", nbytes, cost, 0.0, run))
+
+    def copy_dtoh_async(
+        self, dst: HostBuffer | torch.Tensor, src: int, nbytes: int, stream: Stream, dst_offset: int = 0
+    ) -> None:
+        self._check_open()
+        s = self.own_stream(stream)
+        host, pinned = _host_bytes(dst, "dtoh copy destination")
+        _check_range(host.numel(), dst_offset, nbytes, "dtoh copy destination")
+        alloc, offset = self._table.resolve(src, nbytes, "dtoh copy")
+        target = host[dst_offset : dst_offset + nbytes]
+
+        def run() -> None:
+            target.copy_(_device_bytes(alloc, offset, nbytes, "dtoh copy"))
+
+        cost = self.spec.link.copy_seconds(nbytes, pinned)
+        s.enqueue_copy(self._d2h, CopyJob("dtoh", f"dtoh {s.lane}", nbytes, cost, 0.0, run))
+
+    def copy_dtod_async(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+        self._check_open()
+        s = self.own_stream(stream)
+        if nbytes < 0:
+            raise ValueError(f"negative size: {nbytes}")
+        dst_alloc, dst_off = self._table.resolve(dst, nbytes, "dtod copy destination")
+        src_alloc, src_off = self._table.resolve(src, nbytes, "dtod copy source")
+        cost = nbytes / self.spec.link.device_bandwidth
+
+        def run(ready: float) -> float:
+            source = _device_bytes(src_alloc, src_off, nbytes, "dtod copy source")
+            target = _device_bytes(dst_alloc, dst_off, nbytes, "dtod copy destination")
+            if dst_alloc is src_alloc and abs(dst_off - src_off) < nbytes:
+                source = source.clone()  # overlapping ranges: memmove semantics
+            target.copy_(source)
+            end = ready + cost
+            sleep_until(end)
+            self._record(TimelineRecord(s.lane, "dtod", f"dtod {s.lane}", ready, end, nbytes))
+            return end
+
+        s.enqueue(run)
+
+    def copy_peer_async(self, dst: int, dst_runtime: Runtime, src: int, nbytes: int, stream: Stream) -> None:
+        self._check_open()
+        s = self.own_stream(stream)
+        if not isinstance(dst_runtime, EmulatedRuntime):
+            raise DeviceError(f"peer copy to a {type(dst_runtime).__name__}: both must be emulated")
+        dst_runtime._check_open()
+        if nbytes < 0:
+            raise ValueError(f"negative size: {nbytes}")
+        dst_alloc, dst_off = dst_runtime._table.resolve(dst, nbytes, "peer copy destination")
+        src_alloc, src_off = self._table.resolve(src, nbytes, "peer copy source")
+
+        def run() -> None:
+            source = _device_bytes(src_alloc, src_off, nbytes, "peer copy source")
+            _device_bytes(dst_alloc, dst_off, nbytes, "peer copy destination").copy_(source)
+
+        cost = self.spec.link.peer_seconds(nbytes)
+        name = f"peer {s.lane} -> d{dst_runtime.index}"
+        s.enqueue_copy(self._peer, CopyJob("peer", name, nbytes, cost, 0.0, run))
+
+    # -- kernels ----------------------------------------------------------------------------
+    def launch(
+        self,
+        stream: Stream,
+        kernel: Callable[[], object],
+        *,
+        blocks: int = 1,
+        cu_cap: int | None = None,
+        name: str = "kernel",
+    ) -> None:
+        self._check_open()
+        s = self.own_stream(stream)
+        units = units_for(blocks, cu_cap, self.spec.compute_units)
+
+        def run(ready: float) -> float:
+            self._compute.acquire(units)
+            start = time.perf_counter()
+            error: Exception | None = None
+            try:
+                kernel()
+            except Exception as exc:
+                error = exc
+            finally:
+                end = time.perf_counter()
+                self._compute.release(units, name, end - start, failed=error is not None)
+                self._record(TimelineRecord(s.lane, "kernel", name, start, end, 0, units))
+            if error is not None:
+                raise KernelError(
+                    name, f"kernel {name!r} failed on {s.lane}: {type(error).__name__}: {error}"
+                ) from error
+            return end
+
+        s.enqueue(run)
+
+    def view(
+        self,
+        address: int,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"negative dimension in shape {shape}")
+        itemsize = dtype.itemsize
+        numel = math.prod(shape)
+        if strides is None:
+            span = numel
+        else:
+            strides = tuple(int(st) for st in strides)
+            if len(strides) != len(shape) or any(st < 0 for st in strides):
+                raise ValueError(f"strides {strides} do not fit shape {shape}")
+            span = 0 if numel == 0 else 1 + sum((d - 1) * st for d, st in zip(shape, strides, strict=True))
+        nbytes = span * itemsize
+        alloc, offset = self._table.resolve(address, nbytes, "view")
+        if offset % itemsize:
+            raise InvalidAddress(
+                f"view at device address {address:#x} is misaligned for {dtype} ({itemsize} bytes)"
+            )
+        if alloc.data is None or not alloc.usable:
+            _device_bytes(alloc, offset, nbytes, "view")  # raises the use-after-free error
+        if strides is None:
+            strides = _contiguous_strides(shape)
+        return alloc.typed_data(dtype).as_strided(shape, strides, offset // itemsize)
+
+    # -- introspection ----------------------------------------------------------------------
+    def timeline(self) -> list[TimelineRecord]:
+        return list(self._timeline)
+
+    def set_timeline(self, enabled: bool) -> None:
+        self._timeline_on = enabled
+
+    def clear_timeline(self) -> None:
+        self._timeline.clear()
+
+    def compute_stats(self) -> ComputeStats:
+        return self._compute.stats()
+
+    def copy_engine_stats(self) -> dict[str, dict[str, float]]:
+        """Per engine lane: copies served, bytes moved and modelled busy seconds."""
+        return {
+            engine.lane: {
+                "copies": engine.link.copies,
+                "nbytes": engine.link.nbytes,
+                "busy_seconds": engine.link.busy_seconds,
+            }
+            for engine in (self._h2d, self._d2h, self._peer)
+        }
+
+    def streams(self) -> list[Stream]:
+        with self._lock:
+            return list(self._streams.values())
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            streams = list(self._all_streams)
+        for stream in streams:  # queued work runs to the end; its errors are dropped
+            stream.stop()
+        for engine in (self._h2d, self._d2h, self._peer):
+            engine.stop()
+        for pool in list(self._pools):
+            pool.destroy()
+        for alloc in self._table.all():
+            self.release(alloc)
+        self._ledger.release_slot(self._slot, self.id)
+        with self._lock:
+            self._streams.clear()
+            self._allocated = 0
+        self.backend._forget(self)
+
+
+class EmulatedBackend(Backend):
+    """`count` emulated GPUs of one `spec`, shared with every process using the same `state_dir`."""
+
+    name = "emulated"
+
+    def __init__(
+        self,
+        spec: DeviceSpec | str = V100_16GB,
+        count: int = 1,
+        state_dir: str | Path | None = None,
+        *,
+        timeline: bool = True,
+        timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"need at least one device, got {count}")
+        self.spec = preset(spec) if isinstance(spec, str) else spec
+        self.count = count
+        self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
+        self.timeline = timeline
+        self.timeline_limit = timeline_limit
+        self._runtimes: set[EmulatedRuntime] = set()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<EmulatedBackend {self.count} x {self.spec.name} state={self.state_dir}>"
+
+    def ledger(self, index: int) -> Ledger:
+        if not 0 <= index < self.count:
+            raise DeviceError(f"no emulated device {index}: this backend has {self.count}")
+        path = ledger_path(self.state_dir, index, self.spec.name, self.spec.total_memory)
+        return Ledger.open(path, self.spec.total_memory)
+
+    def device_count(self) -> int:
+        return self.count
+
+    def device_usage(self) -> list[DeviceUsage]:
+        usages = []
+        for index in range(self.count):
+            u = self.ledger(index).usage()
+            usages.append(
+                DeviceUsage(index, self.spec.name, u.used_memory, u.total_memory, u.streams, u.runtimes)
+            )
+        return usages
+
+    def open_runtime(self, index: int = 0) -> EmulatedRuntime:
+        ledger = self.ledger(index)
+        time.sleep(self.spec.context_create_s)
+        runtime = EmulatedRuntime(
+            self, index, ledger, timeline=self.timeline, timeline_limit=self.timeline_limit
+        )
+        with self._lock:
+            self._runtimes.add(runtime)
+        return runtime
+
+    def runtimes(self) -> list[EmulatedRuntime]:
+        with self._lock:
+            return list(self._runtimes)
+
+    def _forget(self, runtime: EmulatedRuntime) -> None:
+        with self._lock:
+            self._runtimes.discard(runtime)
+
+    def close(self) -> None:
+        """Close every runtime this backend opened and is still open."""
+        for runtime in self.runtimes():
+            runtime.close()
+
+    def __enter__(self) -> EmulatedBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,263 @@
+"""Streams and events of the emulated device.
+
+A stream is a FIFO of operations served by its own worker thread. Every operation gets a *ready time*
+in the modelled timeline: `max(issue time, end of the stream's previous operation, end of the events
+it waits on)`. Copies are handed to the runtime's copy engines with that ready time, so modelled
+completion times chain exactly through a stream; kernels run for real and take real time.
+
+When a copy is issued to an idle stream (nothing queued or running, no pending wait), the issuing
+thread hands it to the engine at once, so copies issued by the host in some order reach the FIFO
+engine in that order whatever the worker threads' scheduling; otherwise the worker hands it over
+when the stream reaches it.
+
+Errors (a failing kernel, a copy touching memory freed meanwhile) are recorded with the operation's
+sequence number and raised, once, by the next `synchronize` of the stream or of an event recorded on
+it after them. The stream keeps running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .base import DeviceError, Event, Stream
+from .copy_engine import CopyEngine, CopyJob
+
+if TYPE_CHECKING:
+    from .emulated import EmulatedRuntime
+
+#: fn(ready) -> end: an operation's body, run on the worker with its modelled ready time.
+OpFn = Callable[[float], float]
+
+_thread_ids = itertools.count()
+
+
+class Marker:
+    """What an event captured by one `record`: the stream position and, once reached, the time."""
+
+    __slots__ = ("stream", "seq", "time", "done")
+
+    def __init__(self, stream: EmulatedStream) -> None:
+        self.stream = stream
+        self.seq = 0
+        self.time = 0.0
+        self.done = threading.Event()
+
+
+class _Op:
+    __slots__ = ("seq", "issued", "fn")
+
+    def __init__(self, seq: int, issued: float, fn: OpFn | None) -> None:
+        self.seq, self.issued, self.fn = seq, issued, fn
+
+
+def _raise_errors(errors: list[BaseException]) -> None:
+    if not errors:
+        return
+    first = errors[0]
+    if len(errors) > 1:
+        first.add_note(f"{len(errors) - 1} more error(s) on the same stream since the last synchronize:")
+        for other in errors[1:]:
+            first.add_note(f"  {type(other).__name__}: {other}")
+    raise first
+
+
+class EmulatedStream(Stream):
+    def __init__(self, runtime: EmulatedRuntime, stream_id: int, priority: int = 0) -> None:
+        self.id = stream_id
+        self.priority = priority
+        self.lane = f"stream:{stream_id}"
+        self._runtime = runtime
+        self._cond = threading.Condition()
+        self._queue: deque[_Op] = deque()
+        self._busy = False
+        self._issued = 0
+        self._completed = 0
+        self._cursor = 0.0  # modelled end of the last completed operation
+        self._errors: list[tuple[int, BaseException]] = []
+        self._destroyed = False
+        self.thread = threading.Thread(
+            target=self._loop,
+            name=f"streambox-emu-{runtime.name_tag}-s{stream_id}-{next(_thread_ids)}",
+            daemon=True,
+        )
+        self.thread.start()
+
+    def __repr__(self) -> str:
+        return f"<EmulatedStream {self.id} of {self._runtime.name_tag} priority={self.priority}>"
+
+    @property
+    def runtime(self) -> EmulatedRuntime:
+        return self._runtime
+
+    # -- issuing ----------------------------------------------------------------------------
+    def enqueue(
+        self,
+        fn: OpFn,
+        *,
+        marker: Marker | None = None,
+        on_idle: Callable[[float], None] | None = None,
+    ) -> int:
+        """Queue `fn(ready) -> end`; `on_idle(ready)` runs at once, here, if the stream is idle."""
+        with self._cond:
+            if self._destroyed:
+                raise DeviceError(f"stream {self.id} has been destroyed")
+            self._issued += 1
+            issued = time.perf_counter()
+            op = _Op(self._issued, issued, fn)
+            if marker is not None:
+                marker.seq = op.seq
+            if on_idle is not None and not self._queue and not self._busy:
+                on_idle(max(issued, self._cursor))
+            self._queue.append(op)
+            self._cond.notify()
+            return op.seq
+
+    def enqueue_copy(self, engine: CopyEngine, job: CopyJob) -> int:
+        submitted = False
+
+        def submit(ready: float) -> None:
+            nonlocal submitted
+            job.ready = ready
+            engine.submit(job)
+            submitted = True
+
+        def run(ready: float) -> float:
+            if not submitted:
+                submit(ready)
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
+            return job.end
+
+        return self.enqueue(run, on_idle=submit)
+
+    # -- worker -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                op = self._queue.popleft()
+                if op.fn is None:
+                    return
+                self._busy = True
+                ready = max(op.issued, self._cursor)
+            end, error = ready, None
+            try:
+                end = op.fn(ready)
+            except BaseException as exc:
+                error = exc
+            with self._cond:
+                if error is not None:
+                    self._errors.append((op.seq, error))
+                self._cursor = max(self._cursor, end)
+                self._completed = op.seq
+                self._busy = False
+                self._cond.notify_all()
+
+    def _wait_for(self, seq: int) -> None:
+        with self._cond:
+            while self._completed < seq:
+                self._cond.wait()
+
+    def take_errors(self, up_to: int) -> list[BaseException]:
+        with self._cond:
+            taken = [e for s, e in self._errors if s <= up_to]
+            self._errors = [(s, e) for s, e in self._errors if s > up_to]
+            return taken
+
+    # -- Stream API -------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        with self._cond:
+            target = self._issued
+        self._wait_for(target)
+        errors = self.take_errors(target)
+        self._runtime.sync_point()
+        _raise_errors(errors)
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, EmulatedEvent):
+            raise DeviceError(f"an emulated stream cannot wait on {type(event).__name__}")
+        marker = event.marker  # the work the event captured now; a later record does not matter
+        if marker is None or marker.done.is_set():
+            return
+
+        def gate(ready: float) -> float:
+            marker.done.wait()
+            return max(ready, marker.time)
+
+        self.enqueue(gate)
+
+    def query(self) -> bool:
+        with self._cond:
+            return self._completed >= self._issued
+
+    def destroy(self) -> None:
+        """Non-blocking, as cuStreamDestroy: queued work still runs, then the worker ends."""
+        with self._cond:
+            if self._destroyed:
+                return
+            self._destroyed = True
+            self._queue.append(_Op(0, 0.0, None))
+            self._cond.notify()
+        self._runtime.forget_stream(self)
+
+    def stop(self) -> None:
+        """Let queued work finish and end the worker (runtime close)."""
+        with self._cond:
+            if not self._destroyed:
+                self._destroyed = True
+                self._queue.append(_Op(0, 0.0, None))
+                self._cond.notify()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+class EmulatedEvent(Event):
+    def __init__(self, runtime: EmulatedRuntime, timing: bool = True) -> None:
+        self._runtime = runtime
+        self.timing = timing
+        self.marker: Marker | None = None
+
+    def record(self, stream: Stream) -> None:
+        if not isinstance(stream, EmulatedStream) or stream.runtime is not self._runtime:
+            raise DeviceError("an event can only be recorded on a stream of the runtime that made it")
+        marker = Marker(stream)
+
+        def reach(ready: float) -> float:
+            marker.time = ready
+            marker.done.set()
+            return ready
+
+        stream.enqueue(reach, marker=marker)
+        self.marker = marker
+
+    def query(self) -> bool:
+        marker = self.marker
+        return marker is None or marker.done.is_set()
+
+    def synchronize(self) -> None:
+        marker = self.marker
+        if marker is None:
+            return
+        marker.done.wait()
+        errors = marker.stream.take_errors(marker.seq)
+        self._runtime.sync_point()
+        _raise_errors(errors)
+
+    def elapsed_ms(self, end: Event) -> float:
+        if not isinstance(end, EmulatedEvent):
+            raise DeviceError(f"cannot time an emulated event against {type(end).__name__}")
+        if not (self.timing and end.timing):
+            raise DeviceError("elapsed_ms needs two events created with timing=True")
+        a, b = self.marker, end.marker
+        if a is None or b is None:
+            raise DeviceError("elapsed_ms needs two recorded events")
+        if not (a.done.is_set() and b.done.is_set()):
+            raise DeviceError("elapsed_ms: an event has not completed yet (not ready)")
+        return (b.time - a.time) * 1e3

@@ -1,0 +1,178 @@
+"""Cross-process accounting: every process that opens an emulated GPU shares its capacity."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from streambox.device.base import OutOfDeviceMemory
+from streambox.device.emulated import EmulatedBackend
+from streambox.device.ledger import Ledger, ledger_path, process_alive
+from streambox.device.specs import MiB
+
+from .conftest import SMALL_SPEC
+
+# A child that drives one emulated GPU from stdin commands and acknowledges each on stdout.
+_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    from streambox.device.emulated import EmulatedBackend
+    from streambox.device.specs import V100_16GB, MiB
+    spec = V100_16GB.with_overrides(
+        name={name!r}, total_memory={total}, compute_units=8, context_create_s=0.0,
+        context_memory={context},
+    )
+    backend = EmulatedBackend(spec, state_dir=sys.argv[1])
+    runtime = None
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "open":
+            runtime = backend.open_runtime(0)
+            runtime.create_stream()
+        elif cmd == "alloc":
+            runtime.mem_alloc(int(args[0]))
+        elif cmd == "close":
+            runtime.close()
+        elif cmd == "exit":
+            sys.exit(0)  # atexit gives the slot back
+        elif cmd == "_exit":
+            os._exit(0)
+        print("ok", flush=True)
+    """
+)
+
+
+class Child:
+    def __init__(self, state_dir, context=MiB):
+        script = _CHILD.format(name=SMALL_SPEC.name, total=SMALL_SPEC.total_memory, context=context)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script, str(state_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd="/",  # never the repository root: its `streambox/` folder would shadow the package
+        )
+
+    def do(self, command: str) -> None:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok", f"child failed on {command!r}"
+
+    def send(self, command: str) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+
+def _usage(backend):
+    u = backend.device_usage()[0]
+    return u.used_memory, u.streams, u.runtimes
+
+
+def test_usage_is_shared_across_processes(tmp_path):
+    state = tmp_path / "state"
+    backend = EmulatedBackend(SMALL_SPEC, state_dir=state)
+    child = Child(state)
+    try:
+        child.do("open")
+        child.do(f"alloc {32 * MiB}")
+        assert _usage(backend) == (33 * MiB, 1, 1)  # 1 MiB context + 32 MiB
+        mine = backend.open_runtime(0)
+        assert mine.memory_info() == (31 * MiB, 64 * MiB)
+        with pytest.raises(OutOfDeviceMemory) as info:
+            mine.mem_alloc(40 * MiB)
+        assert info.value.free == 31 * MiB
+        mine.mem_alloc(16 * MiB)
+        assert _usage(backend) == (49 * MiB, 1, 2)
+        child.do("close")  # release on close, the process still alive
+        assert _usage(backend) == (16 * MiB, 0, 1)
+        child.do("open")
+        child.do(f"alloc {8 * MiB}")
+        assert _usage(backend) == (25 * MiB, 1, 2)
+        child.send("exit")  # interpreter exit with the runtime open: atexit releases it
+        child.proc.wait(30)
+        assert _usage(backend) == (16 * MiB, 0, 1)
+        mine.close()
+        assert _usage(backend) == (0, 0, 0)
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+        backend.close()
+
+
+def _hold_memory(state_dir, nbytes, ready, how):  # runs in a forked child
+    runtime = EmulatedBackend(SMALL_SPEC, state_dir=state_dir).open_runtime(0)
+    runtime.create_stream()
+    runtime.create_stream()
+    runtime.mem_alloc(nbytes)
+    ready.set()
+    if how == "_exit":
+        os._exit(0)  # no atexit, no close
+    time.sleep(60)  # until SIGKILL
+
+
+@pytest.mark.parametrize("how", ["_exit", "kill"])
+def test_dead_process_usage_is_reclaimed(tmp_path, how):
+    """A process that dies without releasing (os._exit, SIGKILL) leaves nothing behind.
+
+    The children are forked (starting a Python that imports torch costs seconds): they open their own
+    runtime (the parent's ledger state is not inherited, see `ledger._after_fork_in_child`).
+    """
+    backend = EmulatedBackend(SMALL_SPEC, state_dir=tmp_path)
+    mine = backend.open_runtime(0)
+    mine.mem_alloc(4 * MiB)
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    child = ctx.Process(target=_hold_memory, args=(tmp_path, 50 * MiB, ready, how))
+    child.start()
+    try:
+        assert ready.wait(20)
+        if how == "kill":
+            assert _usage(backend) == (54 * MiB, 2, 2)
+            with pytest.raises(OutOfDeviceMemory) as info:
+                mine.mem_alloc(20 * MiB)
+            assert info.value.free == 10 * MiB
+            os.kill(child.pid, signal.SIGKILL)
+        # no join(): even an unreaped (zombie) child counts as dead
+        deadline = time.monotonic() + 20
+        while _usage(backend) != (4 * MiB, 0, 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _usage(backend) == (4 * MiB, 0, 1)
+        mine.mem_alloc(60 * MiB)
+    finally:
+        child.kill()
+        child.join()
+        mine.close()
+        backend.close()
+    assert _usage(backend) == (0, 0, 0)
+
+
+def test_ledger_slots_and_liveness(tmp_path):
+    assert process_alive(os.getpid())
+    assert not process_alive(0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert not process_alive(dead.pid)
+    path = ledger_path(tmp_path, 0, "x", 1000)
+    assert path != ledger_path(tmp_path, 0, "x", 2000) != ledger_path(tmp_path, 1, "x", 1000)
+    ledger = Ledger.open(path, 1000)
+    assert Ledger.open(path, 1000) is ledger
+    slot = ledger.acquire_slot(runtime_id=987654, initial_bytes=100)
+    ledger.reserve(slot, 987654, 800)
+    with pytest.raises(OutOfDeviceMemory) as info:
+        ledger.reserve(slot, 987654, 200)
+    assert (info.value.requested, info.value.free) == (200, 100)
+    ledger.add_streams(slot, 987654, 3)
+    assert ledger.slot_usage(slot, 987654) == (900, 3)
+    ledger.release(slot, 987654, 900)
+    ledger.release_slot(slot, 987654)
+    ledger.release_slot(slot, 987654)  # idempotent
+    assert ledger.usage().runtimes == 0
