@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from streambox.config import Config
+from streambox.device import DeviceError
 
 
 def _add_device_options(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))
-    except (ValueError, KeyError) as error:
+    except (ValueError, KeyError, DeviceError) as error:
         # Configuration mistakes get one clear line, not a traceback.
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"streambox {args.command}: error: {message}", file=sys.stderr)

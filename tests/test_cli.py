@@ -1,0 +1,64 @@
+"""The `streambox` command line: help, devices, and one-line errors for bad configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from streambox.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _private_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAMBOX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "devices" in out and "demo" in out
+
+
+def test_devices_lists_every_emulated_gpu(capsys):
+    assert main(["devices", "--gpus", "2", "--device-preset", "h100-80gb"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("H100 80GB") == 2
+    assert "81,920 MiB" in out
+
+
+def test_devices_counts_another_runtime_of_this_machine(capsys, tmp_path):
+    from streambox.config import Config
+
+    backend = Config.from_env().open_backend()
+    with backend.open_runtime(0) as runtime:
+        runtime.mem_alloc(1 << 30)
+        runtime.create_stream()
+        assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    # 1 GiB allocated plus the V100 preset's 300 MiB context, one runtime, one stream.
+    row = next(line for line in out.splitlines() if "V100" in line)
+    assert "1,324 MiB / 16,384 MiB" in row
+    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+    assert cells == ["0", "Tesla V100-PCIE-16GB (emulated)", "1,324 MiB / 16,384 MiB", "8%", "1", "1"]
+
+
+def test_unknown_preset_is_one_clear_line(capsys):
+    assert main(["devices", "--device-preset", "a100"]) == 2
+    err = capsys.readouterr().err
+    assert "a100" in err and "v100-16gb" in err and "Traceback" not in err
+
+
+def test_unavailable_cuda_backend_is_one_clear_line(capsys):
+    pytest.importorskip("cuda.bindings.driver")
+    from streambox.device import BackendUnavailable, get_backend
+
+    try:
+        get_backend("cuda")
+    except BackendUnavailable:
+        pass
+    else:
+        pytest.skip("a GPU is present")
+    assert main(["devices", "--backend", "cuda"]) == 2
+    assert "CUDA backend unavailable" in capsys.readouterr().err
