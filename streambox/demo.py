@@ -69,13 +69,14 @@ def run_model(runtime: Runtime, pool: ModelPool, name: str, batch: int) -> Model
 
 
 def run_demo(config: Config, models: Sequence[str] | None = None, batch: int = 1) -> int:
-    console = Console()
+    console = Console(width=max(Console().width, 120))  # keep the table readable when piped
     names = list(models) if models else list(ZOO)
     backend = config.open_backend()
     pool = ModelPool(config.model_pool)
     table = Table(title=f"Zoo models through kernel plans ({backend.name} backend, batch {batch})")
-    for column in ("model", "kernels", "weights MiB", "peak live MiB (eager)", "peak live MiB (no eager)",
-                   "eager/no-eager", "run ms", "max |err| vs torch"):
+    columns = ("model", "kernels", "weights MiB", "peak live MiB, eager recycling",
+               "peak live MiB, no recycling", "ratio", "run ms", "max |err| vs torch")
+    for column in columns:
         table.add_column(column, justify="left" if column == "model" else "right")
     with backend.open_runtime(0) as runtime:
         for name in names:
