@@ -428,7 +428,7 @@ class CudaStream(Stream):
         with self.runtime._current():
             _check(driver.cuStreamDestroy(self.handle), "cuStreamDestroy")
         self.destroyed = True
-        self.runtime._forget_stream(self)
+        self.runtime._forget(self.runtime._streams, self)
 
     def __repr__(self) -> str:
         return f"CudaStream(device={self.runtime.index}, ptr={self.ptr:#x}, priority={self.priority})"
@@ -545,7 +545,7 @@ class CudaHostBuffer(HostBuffer):
         if self.pinned:
             with self.runtime._current():
                 _check(driver.cuMemFreeHost(self.address), "cuMemFreeHost")
-        self.runtime._forget_host_buffer(self)
+        self.runtime._forget(self.runtime._host_buffers, self)
 
 
 class CudaMemoryPool(MemoryPool):
@@ -658,7 +658,7 @@ class CudaMemoryPool(MemoryPool):
             _check(driver.cuMemPoolTrimTo(self.handle, 0), "cuMemPoolTrimTo")
             _check(driver.cuMemPoolDestroy(self.handle), "cuMemPoolDestroy")
         self.destroyed = True
-        self.runtime._forget_pool(self)
+        self.runtime._forget(self.runtime._pools, self)
 
 
 class CudaModule:
@@ -674,7 +674,7 @@ class CudaModule:
         with self.runtime._current():
             _check(driver.cuModuleUnload(self.handle), "cuModuleUnload")
         self.unloaded = True
-        self.runtime._forget_module(self)
+        self.runtime._forget(self.runtime._modules, self)
 
 
 ModuleImage = str | os.PathLike[str] | bytes | bytearray | memoryview
@@ -768,25 +768,11 @@ class CudaRuntime(Runtime):
                 )
             return self._internal
 
-    def _forget_stream(self, stream: CudaStream) -> None:
+    def _forget(self, registry: list[Any], item: object) -> None:
+        """Drop a destroyed stream, pool, host buffer or module from this runtime's books."""
         with self._lock:
-            if stream in self._streams:
-                self._streams.remove(stream)
-
-    def _forget_pool(self, pool: CudaMemoryPool) -> None:
-        with self._lock:
-            if pool in self._pools:
-                self._pools.remove(pool)
-
-    def _forget_host_buffer(self, buffer: CudaHostBuffer) -> None:
-        with self._lock:
-            if buffer in self._host_buffers:
-                self._host_buffers.remove(buffer)
-
-    def _forget_module(self, module: CudaModule) -> None:
-        with self._lock:
-            if module in self._modules:
-                self._modules.remove(module)
+            if item in registry:
+                registry.remove(item)
 
     @property
     def stream_count(self) -> int:
