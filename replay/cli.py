@@ -1,0 +1,159 @@
+"""The `replay` and `report` subcommands, ready to be added to the `streambox` command line:
+
+    from streambox.replay.cli import add_commands
+    add_commands(commands)   # commands = parser.add_subparsers(...)
+
+Each sets `handler` (cmd_replay, cmd_report: args -> exit status), as the other subcommands do.
+`python -m streambox.replay {replay,report} ...` runs them on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .shaping import MAPPINGS, PATTERNS, SELECTIONS, SPACINGS
+from .target import PLANNED_SYSTEMS, known_systems
+
+
+def _pairs(values: Sequence[str] | None, flag: str) -> dict[str, str]:
+    result = {}
+    for value in values or ():
+        key, sep, item = value.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} takes KEY=VALUE, got {value!r}")
+        result[key.strip()] = item.strip()
+    return result
+
+
+def _csv(values: Sequence[str] | None) -> tuple[str, ...]:
+    return tuple(part.strip() for value in values or () for part in value.split(",") if part.strip())
+
+
+def add_replay_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    systems = ", ".join(sorted(set(known_systems()) | set(PLANNED_SYSTEMS)))
+    p = commands.add_parser(
+        "replay",
+        help="replay an Azure Functions trace against a system, open loop, into a run directory",
+        description="Replay Azure Functions invocations against a workflow on a system and record every "
+        "request and the system's memory. Without --trace, the shipped sample (real 2019 rows) is used.",
+    )
+    p.add_argument(
+        "--trace", help="trace file or folder (2019 invocations [+ durations, memory], or a 2021 log)"
+    )
+    p.add_argument(
+        "--workflow", default="traffic", help="workflow, or several separated by commas (default traffic)"
+    )
+    p.add_argument(
+        "--system", default="streambox",
+        help=f"system under test: {systems} (default streambox); several, comma-separated, replay the same "
+        "workload on each into --out/<system> and report them side by side in --out/report",
+    )
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a system option (ablation flag ...)")
+    p.add_argument("--minutes", type=int, default=10, help="trace minutes to replay (default 10)")
+    p.add_argument("--start-minute", type=int, default=0, help="first trace minute (default 0)")
+    p.add_argument("--scale", type=float, default=1.0, help="rate scale: 0.1 keeps every 10th invocation")
+    p.add_argument("--minute-seconds", type=float, default=60.0,
+                   help="replay seconds per trace minute (default 60 = real time; 0.5 = 120x faster)")
+    p.add_argument("--functions", type=int, default=12, help="functions to replay (default 12)")
+    p.add_argument("--select", choices=SELECTIONS, default="volume", help="how to choose them")
+    p.add_argument("--pattern", action="append", help=f"keep only these patterns: {', '.join(PATTERNS)}")
+    p.add_argument("--include", action="append", help="a function to replay in any case (app/function hash)")
+    p.add_argument("--mapping", choices=MAPPINGS, default="round-robin", help="functions to workflows")
+    p.add_argument("--map", action="append", metavar="FUNCTION=WORKFLOW", help="explicit mapping entry")
+    p.add_argument("--spacing", choices=SPACINGS, default="poisson", help="arrivals inside a minute")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ms", type=float, default=200.0, help="latency SLO (default 200 ms, the paper's)")
+    p.add_argument("--max-requests", type=int, help="send at most this many requests")
+    p.add_argument("--max-duration", type=float, help="send no request after this many seconds")
+    p.add_argument("--request-timeout", type=float, help="a request without outcome after this is a timeout")
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="wait for outstanding requests (s)")
+    p.add_argument("--sample-interval", type=float, default=0.5, help="seconds between memory samples")
+    p.add_argument("--out", help="run directory (default runs/<system>)")
+    p.add_argument("--overwrite", action="store_true", help="replace a finished run in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_replay)
+    return p
+
+
+def add_report_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "report",
+        help="comparison plots (PNG) and table of replay runs",
+        description="Draw memory over time, mean memory, throughput, latency CDF and SLO violations of "
+        "replay runs, and print their comparison table.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `replay`")
+    p.add_argument("--out", help="where to write the plots (default: report/ beside the first run)")
+    p.set_defaults(handler=cmd_report)
+    return p
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    add_replay_parser(commands)
+    add_report_parser(commands)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """One system: a run directory in --out. Several (--system a,b,c): one run each in --out/<system>,
+    then the comparison plots and table in --out/report."""
+    from .report import print_run
+    from .run import run_comparison, run_replay
+
+    systems = _csv([args.system])
+    explicit = _pairs(args.map, "--map")
+    options = dict(
+        workflow=args.workflow,
+        minutes=args.minutes,
+        scale=args.scale,
+        start_minute=args.start_minute,
+        minute_seconds=args.minute_seconds,
+        functions=args.functions,
+        select=args.select,
+        patterns=_csv(args.pattern),
+        include=_csv(args.include),
+        mapping="explicit" if explicit else args.mapping,
+        explicit_mapping=explicit,
+        spacing=args.spacing,
+        seed=args.seed,
+        slo_ms=args.slo_ms,
+        max_requests=args.max_requests,
+        max_duration_s=args.max_duration,
+        request_timeout_s=args.request_timeout,
+        drain_timeout_s=args.drain_timeout,
+        sample_interval_s=args.sample_interval,
+        system_options=_pairs(args.set, "--set"),
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    if len(systems) > 1:
+        run_comparison(systems, out=args.out or "runs/compare", trace=args.trace, **options)
+        return 0
+    result = run_replay(args.trace, system=systems[0], out=args.out or f"runs/{systems[0]}", **options)
+    print_run(result.run_dir)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import report
+
+    out = args.out or str(Path(args.runs[0]).parent / "report")
+    report(args.runs, out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m streambox.replay")
+    add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except ValueError as error:
+        print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

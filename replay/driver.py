@@ -1,0 +1,195 @@
+"""The open-loop driver: every arrival is sent at its time, whatever is still outstanding.
+
+One asyncio task per request; the issuing loop never awaits a response, so a slow or stuck system
+cannot slow the offered load down (a closed-loop client would, and would hide queueing). Each request
+is recorded with its scheduled and actual send time, the latency seen from outside, the target's
+status and cold-start flag, and whether it violated the SLO. A sampler polls `Target.sample()` on a
+fixed grid. The run is bounded by a count (`max_requests`) and by a duration (`max_duration_s`: no
+arrival after it is sent; outstanding requests get `drain_timeout_s` more, then are cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .shaping import Arrival
+from .target import Outcome, Target
+
+EventFactory = Callable[[int, Arrival], dict[str, Any]]
+
+
+@dataclass
+class RequestRecord:
+    request_id: int
+    workflow: str
+    function: str
+    minute: int
+    scheduled_s: float  # when the trace says it arrives, from the start of the run
+    sent_s: float  # when the driver called Target.send
+    latency_s: float  # from the send to the outcome, seen by the driver
+    target_latency_s: float  # Outcome.latency_s, the target's own figure (nan when none)
+    status: str
+    cold_start: bool
+    slo_violation: bool  # status != "ok" or latency_s > slo_s
+    error: str = ""
+
+
+@dataclass
+class DriveResult:
+    records: list[RequestRecord]
+    samples: list[dict[str, float]]
+    planned: int  # arrivals after the count and duration bounds
+    stopped_by: str  # "all sent", "max_requests" or "max_duration"
+    duration_s: float  # from the start to the last completion (or cancellation)
+    max_outstanding: int
+    sample_errors: list[str] = field(default_factory=list)
+    started_at: float = 0.0  # wall clock (time.time()) at the start
+
+
+def _bounded(arrivals: Sequence[Arrival], max_requests: int | None, max_duration_s: float | None):
+    stopped_by = "all sent"
+    planned = list(arrivals)
+    if max_duration_s is not None:
+        within = [a for a in planned if a.time_s < max_duration_s]
+        if len(within) < len(planned):
+            planned, stopped_by = within, "max_duration"
+    if max_requests is not None and len(planned) > max_requests:
+        planned, stopped_by = planned[:max_requests], "max_requests"
+    return planned, stopped_by
+
+
+def default_event(request_id: int, arrival: Arrival) -> dict[str, Any]:
+    return {
+        "request_id": request_id,
+        "workflow": arrival.workflow,
+        "function": str(arrival.function),
+        "minute": arrival.minute,
+        "scheduled_s": arrival.time_s,
+    }
+
+
+async def drive(
+    target: Target,
+    arrivals: Sequence[Arrival],
+    *,
+    slo_s: float = 0.2,
+    max_requests: int | None = None,
+    max_duration_s: float | None = None,
+    request_timeout_s: float | None = None,
+    drain_timeout_s: float = 60.0,
+    sample_interval_s: float = 0.5,
+    event_for: EventFactory = default_event,
+    progress: bool = False,
+) -> DriveResult:
+    """Send `arrivals` (sorted by time) to an already started `target`, open loop; see the module."""
+    loop = asyncio.get_running_loop()
+    planned, stopped_by = _bounded(arrivals, max_requests, max_duration_s)
+    records: list[RequestRecord | None] = [None] * len(planned)
+    outstanding: set[asyncio.Task] = set()
+    counters = {"sent": 0, "done": 0, "max_outstanding": 0}
+    samples: list[dict[str, float]] = []
+    sample_errors: list[str] = []
+    started_at = time.time()
+    t0 = loop.time()
+
+    bar = Progress(
+        TextColumn("[bold]replay[/bold] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("sent {task.fields[sent]} · outstanding {task.fields[outstanding]}"),
+        TimeElapsedColumn(),
+        disable=not progress,
+        refresh_per_second=4,
+    )
+    bar_task = bar.add_task(getattr(target, "name", "target"), total=len(planned), sent=0, outstanding=0)
+
+    async def one(request_id: int, arrival: Arrival) -> None:
+        sent = loop.time() - t0
+        counters["sent"] += 1
+        outcome: Outcome | None = None
+        status, error = "ok", ""
+        try:
+            call = target.send(arrival.workflow, event_for(request_id, arrival))
+            outcome = await (asyncio.wait_for(call, request_timeout_s) if request_timeout_s else call)
+            status, error = outcome.status, outcome.error or ""
+        except TimeoutError:
+            status, error = "timeout", f"no outcome within {request_timeout_s} s"
+        except asyncio.CancelledError:
+            status, error = "cancelled", "still outstanding when the drain timeout ran out"
+        except Exception as exc:  # the system's failure is a result, not a crash of the harness
+            status, error = "error", f"{type(exc).__name__}: {exc}"
+        latency = loop.time() - t0 - sent
+        records[request_id] = RequestRecord(
+            request_id,
+            arrival.workflow,
+            str(arrival.function),
+            arrival.minute,
+            arrival.time_s,
+            sent,
+            latency,
+            outcome.latency_s if outcome is not None else math.nan,
+            status,
+            bool(outcome.cold_start) if outcome is not None else False,
+            status != "ok" or latency > slo_s,
+            error,
+        )
+        counters["done"] += 1
+        bar.update(
+            bar_task, completed=counters["done"], sent=counters["sent"], outstanding=len(outstanding) - 1
+        )
+
+    async def sampler() -> None:
+        is_async = inspect.iscoroutinefunction(target.sample)
+        tick = 0
+        while True:
+            try:
+                values = await target.sample() if is_async else await asyncio.to_thread(target.sample)
+                samples.append(
+                    {
+                        "t_s": loop.time() - t0,
+                        "outstanding": float(len(outstanding)),
+                        "sent": float(counters["sent"]),
+                        "completed": float(counters["done"]),
+                        **{k: float(v) for k, v in values.items()},
+                    }
+                )
+            except Exception as exc:
+                sample_errors.append(f"{loop.time() - t0:.3f}s {type(exc).__name__}: {exc}")
+            # next point of the grid that is still ahead (a slow sample skips ticks, never bunches)
+            tick = max(tick + 1, math.floor((loop.time() - t0) / sample_interval_s) + 1)
+            await asyncio.sleep(max(t0 + tick * sample_interval_s - loop.time(), 0))
+
+    with bar:
+        sampling = asyncio.create_task(sampler())
+        for request_id, arrival in enumerate(planned):
+            await asyncio.sleep(max(t0 + arrival.time_s - loop.time(), 0))
+            task = asyncio.create_task(one(request_id, arrival))
+            outstanding.add(task)
+            task.add_done_callback(outstanding.discard)
+            counters["max_outstanding"] = max(counters["max_outstanding"], len(outstanding))
+        if outstanding:
+            _, pending = await asyncio.wait(set(outstanding), timeout=drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        duration = loop.time() - t0
+        sampling.cancel()
+        await asyncio.gather(sampling, return_exceptions=True)
+    return DriveResult(
+        records=[r for r in records if r is not None],
+        samples=samples,
+        planned=len(planned),
+        stopped_by=stopped_by,
+        duration_s=duration,
+        max_outstanding=counters["max_outstanding"],
+        sample_errors=sample_errors,
+        started_at=started_at,
+    )

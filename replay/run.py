@@ -1,0 +1,332 @@
+"""`run_replay`: trace -> chosen functions -> arrivals -> open-loop run against a system -> run directory.
+
+    run_replay(None, workflow="traffic", system="streambox", minutes=10, scale=0.1, out="runs/x")
+
+replays minutes [0, 10) of the shipped sample (`replay/data/azure2019-sample`, real Azure 2019 rows) at
+a tenth of its rate against the system registered as "streambox", and writes runs/x/{config.json,
+requests.csv, samples.csv, summary.json}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from importlib import metadata, resources
+from pathlib import Path
+from typing import Any
+
+from .driver import drive
+from .metrics import summarize, write_json, write_requests, write_samples
+from .shaping import (
+    Arrival,
+    Chosen,
+    build_arrivals,
+    choose_functions,
+    map_to_workflows,
+    scale_counts,
+    stable_seed,
+)
+from .target import FunctionProfile, SystemRequest, Target, known_systems, resolve_system
+from .traces import Trace, load_trace
+
+SAMPLE_NAME = "azure2019-sample"
+
+
+def sample_trace() -> Path:
+    """The trace sample shipped with the package (see replay/data/ATTRIBUTION.md)."""
+    return Path(str(resources.files("streambox.replay") / "data" / SAMPLE_NAME))
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Every knob of a run; written whole to config.json."""
+
+    trace: str | None = None  # a trace file or folder; None = the shipped sample
+    workflows: tuple[str, ...] = ("traffic",)
+    system: str = "streambox"
+    out: str = "runs/replay"
+    minutes: int = 10  # trace minutes replayed, from start_minute
+    start_minute: int = 0
+    scale: float = 1.0  # rate scale: 0.1 keeps every 10th invocation (cumulative rounding)
+    minute_seconds: float = 60.0  # replay seconds per trace minute (60 = real time)
+    functions: int = 12  # how many functions to replay
+    select: str = "volume"  # volume | random | stratified
+    patterns: tuple[str, ...] = ()  # keep only these patterns (sporadic, periodic, bursty)
+    include: tuple[str, ...] = ()  # functions to replay in any case
+    mapping: str = "round-robin"  # round-robin | stripe | explicit
+    explicit_mapping: Mapping[str, str] = field(default_factory=dict)
+    spacing: str = "poisson"  # poisson | even | trace (2021 timestamps)
+    seed: int = 0
+    slo_ms: float = 200.0  # the paper's SLO for Traffic
+    max_requests: int | None = None
+    max_duration_s: float | None = None
+    request_timeout_s: float | None = None
+    drain_timeout_s: float = 60.0
+    sample_interval_s: float = 0.5
+    system_options: Mapping[str, str] = field(default_factory=dict)  # --set KEY=VALUE, to the system
+    overwrite: bool = False
+    progress: bool = True
+
+    @property
+    def label(self) -> str:
+        """The system's name, with its options when set (ablations): streambox[FM=off]."""
+        options = ",".join(f"{k}={v}" for k, v in sorted(self.system_options.items()))
+        return f"{self.system}[{options}]" if options else self.system
+
+
+@dataclass
+class Workload:
+    trace: Trace
+    chosen: list[Chosen]
+    mapping: dict
+    arrivals: list[Arrival]
+    window_s: float
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict[str, Any]
+    config: ReplayConfig
+
+
+def build_workload(config: ReplayConfig) -> Workload:
+    """Load, choose, map and shape: everything before a target is involved (pure but for the read)."""
+    trace = load_trace(config.trace if config.trace is not None else sample_trace())
+    chosen = choose_functions(
+        trace.functions,
+        config.functions,
+        by=config.select,
+        patterns=config.patterns or None,
+        start_minute=config.start_minute,
+        minutes=config.minutes,
+        seed=config.seed,
+        include=config.include,
+    )
+    if not chosen:
+        raise ValueError(
+            f"no function of {config.trace or SAMPLE_NAME} has invocations in trace minutes "
+            f"[{config.start_minute}, {config.start_minute + config.minutes}) with patterns "
+            f"{list(config.patterns) or 'any'}"
+        )
+    keys = [c.key for c in chosen]
+    mapping = map_to_workflows(keys, config.workflows, config.mapping, config.explicit_mapping)
+    arrivals = build_arrivals(
+        chosen,
+        mapping,
+        start_minute=config.start_minute,
+        minutes=config.minutes,
+        rate_scale=config.scale,
+        minute_seconds=config.minute_seconds,
+        spacing=config.spacing,
+        seed=config.seed,
+    )
+    if not arrivals:
+        raise ValueError(
+            f"no arrival left after scaling {sum(int(c.window_counts.sum()) for c in chosen)} invocations "
+            f"by {config.scale}; raise --scale or --minutes"
+        )
+    return Workload(trace, chosen, mapping, arrivals, config.minutes * config.minute_seconds)
+
+
+def _profiles(workload: Workload) -> tuple[FunctionProfile, ...]:
+    result = []
+    for item in workload.chosen:
+        duration = workload.trace.duration(item.key)
+        memory = workload.trace.memory(item.key)
+        result.append(
+            FunctionProfile(
+                str(item.key),
+                workload.mapping[item.key],
+                item.pattern.kind,
+                item.series.trigger,
+                duration.percentiles_ms[3] if duration else None,
+                memory.average_mb if memory else None,
+            )
+        )
+    return tuple(result)
+
+
+def _event_factory(workload: Workload, seed: int):
+    """Events carry the function's trace facts; duration_hint_ms is one seeded draw from its duration
+    percentiles (for targets that want it; the systems under test run their real workflow)."""
+    hints: dict[str, list[float]] = {}
+    counts = Counter(a.function for a in workload.arrivals)
+    for item in workload.chosen:
+        duration = workload.trace.duration(item.key)
+        count = counts[item.key]
+        if duration is not None:
+            hints[str(item.key)] = list(duration.sample_ms(stable_seed(seed, f"duration:{item.key}"), count))
+    patterns = {str(c.key): c.pattern.kind for c in workload.chosen}
+    cursor: dict[str, int] = {}
+
+    def event(request_id: int, arrival: Arrival) -> dict[str, Any]:
+        function = str(arrival.function)
+        index = cursor.get(function, 0)
+        cursor[function] = index + 1
+        draws = hints.get(function)
+        return {
+            "request_id": request_id,
+            "workflow": arrival.workflow,
+            "function": function,
+            "pattern": patterns[function],
+            "minute": arrival.minute,
+            "scheduled_s": arrival.time_s,
+            "duration_hint_ms": draws[index] if draws else None,
+        }
+
+    return event
+
+
+def _describe_workload(config: ReplayConfig, workload: Workload) -> dict[str, Any]:
+    return {
+        "trace_layout": workload.trace.layout,
+        "trace_sources": workload.trace.sources,
+        "trace_minutes": workload.trace.minutes,
+        "trace_functions": len(workload.trace.functions),
+        "window_s": workload.window_s,
+        "arrivals": len(workload.arrivals),
+        "functions": [
+            {
+                "key": str(c.key),
+                "label": c.key.label(),
+                "trigger": c.series.trigger,
+                "workflow": workload.mapping[c.key],
+                "window_invocations": int(c.window_counts.sum()),
+                "replayed_invocations": int(scale_counts(c.window_counts, config.scale).sum()),
+                "pattern": c.pattern.as_dict(),
+            }
+            for c in workload.chosen
+        ],
+    }
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "platform": platform.platform()}
+    for package in ("streambox", "numpy", "matplotlib", "rich"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions
+
+
+async def _drive(target: Target, workload: Workload, config: ReplayConfig):
+    await target.start()
+    try:
+        return await drive(
+            target,
+            workload.arrivals,
+            slo_s=config.slo_ms / 1e3,
+            max_requests=config.max_requests,
+            max_duration_s=config.max_duration_s,
+            request_timeout_s=config.request_timeout_s,
+            drain_timeout_s=config.drain_timeout_s,
+            sample_interval_s=config.sample_interval_s,
+            event_for=_event_factory(workload, config.seed),
+            progress=config.progress,
+        )
+    finally:
+        await target.close()
+
+
+def execute(config: ReplayConfig, target: Target | None = None) -> RunResult:
+    """Run one replay as configured. `target` overrides the registry (tests, notebooks)."""
+    return asyncio.run(execute_async(config, target))
+
+
+async def execute_async(config: ReplayConfig, target: Target | None = None) -> RunResult:
+    """`execute` for callers that already run an event loop."""
+    workload = build_workload(config)
+    if target is None:
+        request = SystemRequest(
+            config.system, tuple(config.workflows), _profiles(workload), dict(config.system_options),
+            config.seed, config.slo_ms / 1e3,
+        )
+        target = resolve_system(config.system, request)
+    run_dir = Path(config.out)
+    if (run_dir / "summary.json").exists() and not config.overwrite:
+        raise ValueError(f"{run_dir} already holds a run (summary.json); choose another --out or overwrite")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").unlink(missing_ok=True)
+    described = {
+        "config": asdict(config),
+        "label": config.label,
+        "workload": _describe_workload(config, workload),
+        "system_config": target.describe(),
+        "versions": _versions(),
+        "argv": sys.argv,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    write_json(run_dir / "config.json", described)
+    result = await _drive(target, workload, config)
+    patterns = {str(c.key): c.pattern.kind for c in workload.chosen}
+    write_requests(run_dir / "requests.csv", result.records, patterns)
+    write_samples(run_dir / "samples.csv", result.samples)
+    summary = {
+        "label": config.label,
+        "system": config.system,
+        "workflows": list(config.workflows),
+        **summarize(result, slo_s=config.slo_ms / 1e3, window_s=workload.window_s),
+    }
+    write_json(run_dir / "summary.json", summary)
+    return RunResult(run_dir, summary, config)
+
+
+def run_replay(
+    trace: str | Path | None = None,
+    *,
+    workflow: str | Sequence[str] = "traffic",
+    system: str = "streambox",
+    minutes: int = 10,
+    scale: float = 1.0,
+    out: str | Path = "runs/replay",
+    target: Target | None = None,
+    **options: Any,
+) -> RunResult:
+    """Replay `minutes` of `trace` (None: the shipped sample) at `scale` times its rate against `system`
+    on `workflow` (a name, "a,b", or a list), writing the run directory `out`. Other keyword options are
+    ReplayConfig's fields (start_minute, minute_seconds, functions, select, patterns, include, mapping,
+    explicit_mapping, spacing, seed, slo_ms, max_requests, max_duration_s, request_timeout_s,
+    drain_timeout_s, sample_interval_s, system_options, overwrite, progress)."""
+    workflows = tuple(w for w in (workflow.split(",") if isinstance(workflow, str) else workflow) if w)
+    for name in ("patterns", "include"):
+        if name in options and options[name] is not None:
+            options[name] = tuple(options[name])
+    config = replace(
+        ReplayConfig(),
+        trace=str(trace) if trace is not None else None,
+        workflows=workflows,
+        system=system,
+        minutes=minutes,
+        scale=scale,
+        out=str(out),
+        **options,
+    )
+    return execute(config, target)
+
+
+def run_comparison(
+    systems: Sequence[str],
+    *,
+    out: str | Path = "runs/compare",
+    trace: str | Path | None = None,
+    **options: Any,
+) -> tuple[list[RunResult], dict[str, Any]]:
+    """The same workload against each system in turn (out/<system>), then `report` into out/report:
+    the README's main job. Options are run_replay's."""
+    from .report import report
+
+    if not systems:
+        raise ValueError("no system to compare")
+    if options.get("target") is None:
+        for system in systems:  # fail before the first run, not after it
+            if system not in known_systems():
+                resolve_system(system)
+    results = [run_replay(trace, system=system, out=Path(out) / system, **options) for system in systems]
+    return results, report([r.run_dir for r in results], Path(out) / "report")

@@ -1,0 +1,157 @@
+"""run_replay end to end (shipped sample -> run directory), the systems' registry, the report's PNGs
+and table, and the command-line entry points."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from streambox.replay import report, run_replay
+from streambox.replay.cli import main
+from streambox.replay.report import PLOTS
+from streambox.replay.target import SystemRequest, UnknownSystem, known_systems, resolve_system
+
+# Minutes 0-20 of the shipped sample (about 115 invocations), a minute per 0.02 s: 0.4 s of replay.
+FAST = {"minutes": 20, "minute_seconds": 0.02, "sample_interval_s": 0.02, "progress": False}
+
+
+def _replay(tmp_path: Path, double_cls, name: str, seconds: float, **extra):
+    return run_replay(
+        None, workflow="traffic", system=name, out=tmp_path / name,
+        target=double_cls(seconds=seconds), **{**FAST, **extra},
+    )
+
+
+def test_run_directory_holds_config_requests_samples_summary(tmp_path, double_cls):
+    result = _replay(tmp_path, double_cls, "streambox", 0.01)
+    run_dir = result.run_dir
+    files = ["config.json", "requests.csv", "samples.csv", "summary.json"]
+    assert sorted(p.name for p in run_dir.iterdir()) == files
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["config"]["minutes"] == 20 and config["config"]["workflows"] == ["traffic"]
+    workload = config["workload"]
+    assert workload["trace_layout"] == "invitro" and workload["trace_functions"] == 12
+    assert {f["pattern"]["kind"] for f in workload["functions"]} <= {"sporadic", "periodic", "bursty"}
+    assert config["system_config"] == {"target": "driver-test-double", "seconds": 0.01}
+    with open(run_dir / "requests.csv") as stream:
+        rows = list(csv.DictReader(stream))
+    # every invocation of minutes 0-20 of the 12 functions, at scale 1
+    assert len(rows) == sum(f["replayed_invocations"] for f in workload["functions"]) == workload["arrivals"]
+    assert {r["pattern"] for r in rows} <= {"sporadic", "periodic", "bursty"}
+    assert rows[0]["status"] == "ok" and rows[0]["cold_start"] == "True"
+    summary = result.summary
+    assert summary["requests"]["by_status"] == {"ok": len(rows)}
+    assert summary["slo_violations"] == 0 and summary["cold_starts"] == 1
+    assert summary["latency_ms"]["p50"] >= 10.0
+    assert summary["memory"]["memory_used_bytes"]["peak_bytes"] >= 1000.0
+    assert summary["throughput_rps"] > 0
+    assert json.loads((run_dir / "summary.json").read_text())["label"] == "streambox"
+    with pytest.raises(ValueError, match="already holds a run"):
+        _replay(tmp_path, double_cls, "streambox", 0.01)
+
+
+def test_scale_and_events_carry_trace_facts(tmp_path, double_cls):
+    double = double_cls()
+    result = run_replay(None, system="x", out=tmp_path / "x", scale=0.1, target=double, **FAST)
+    full = json.loads((result.run_dir / "config.json").read_text())["workload"]["functions"]
+    assert sum(f["replayed_invocations"] for f in full) == len(double.events)
+    assert sum(f["window_invocations"] for f in full) > 5 * len(double.events)
+    event = double.events[0]
+    assert set(event) >= {"request_id", "workflow", "function", "pattern", "minute", "duration_hint_ms"}
+    assert event["duration_hint_ms"] > 0
+
+
+def test_a_workload_scaled_to_nothing_is_refused(tmp_path, double_cls):
+    with pytest.raises(ValueError, match="no arrival left after scaling"):
+        run_replay(None, system="x", out=tmp_path / "x", scale=1e-6, target=double_cls(), **FAST)
+    assert not (tmp_path / "x").exists()
+
+
+def test_registry_resolves_and_names_the_known_systems():
+    assert "inprocess-cpu" in known_systems()
+    with pytest.raises(UnknownSystem, match=r"unknown system 'nope'; known systems: .*inprocess-cpu"):
+        resolve_system("nope")
+    with pytest.raises(UnknownSystem, match="'streambox' is planned but not wired"):
+        resolve_system("streambox")
+    with pytest.raises(ValueError, match="unknown options"):
+        resolve_system("inprocess-cpu", SystemRequest("inprocess-cpu", ("traffic",), options={"FM": "off"}))
+
+
+def test_inprocess_target_through_the_registry(tmp_path):
+    result = run_replay(
+        None, system="inprocess-cpu", out=tmp_path / "cpu", max_requests=20,
+        system_options={"model_mib": "2", "runtime_mib": "1"}, **FAST,
+    )
+    summary = result.summary
+    assert summary["label"] == "inprocess-cpu[model_mib=2,runtime_mib=1]"
+    assert summary["requests"]["by_status"] == {"ok": 20}
+    with open(result.run_dir / "requests.csv") as stream:
+        functions = {row["function"] for row in csv.DictReader(stream)}
+    # the first request of each function starts an instance; with 2 slots at most 2 run at once
+    assert len(functions) <= summary["cold_starts"] <= 2 * len(functions)
+    components = summary["memory_components"]
+    assert components["memory.weights_bytes"]["peak_bytes"] >= 2 * (1 << 20) * 0.99
+    assert components["memory.runtime_bytes"]["peak_bytes"] >= 1 << 20
+
+
+def test_report_writes_the_plots_and_the_comparison(tmp_path, capsys, double_cls):
+    runs = [
+        _replay(tmp_path, double_cls, "streambox", 0.005).run_dir,
+        _replay(tmp_path, double_cls, "stream-only", 0.02).run_dir,
+        _replay(tmp_path, double_cls, "monolithic", 0.3).run_dir,
+    ]
+    capsys.readouterr()
+    out = tmp_path / "report"
+    assert main(["report", *map(str, runs), "--out", str(out)]) == 0  # streambox report RUN_DIR ...
+    printed = capsys.readouterr().out
+    assert "Replay comparison" in printed and "stream-only" in printed and "beside the paper" in printed
+    for name in PLOTS:
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert [r["system"] for r in comparison["rows"]] == ["streambox", "stream-only", "monolithic"]
+    assert comparison["rows"][2]["SLO viol."] > 0 and comparison["rows"][0]["SLO viol."] == 0
+    assert [r["against"] for r in comparison["ratios"]] == ["stream-only", "monolithic"]
+    assert comparison["ratios"][0]["mean memory (paper)"].startswith("-71%")
+    assert (out / "comparison.md").read_text().count("\n| ") >= 3
+
+
+def test_report_names_a_directory_that_is_not_a_run(tmp_path):
+    with pytest.raises(ValueError, match="not a finished replay run .missing summary.json"):
+        report([tmp_path], tmp_path / "out")
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["replay", "--system", "nope", "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown system 'nope'; known systems:" in err and "Traceback" not in err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    assert main(["replay", "--trace", str(bad), "--system", "inprocess-cpu", "--out", str(tmp_path)]) == 2
+    assert "columns found: a,b" in capsys.readouterr().err
+
+
+def test_cli_replay(tmp_path, capsys):
+    out = tmp_path / "cpu"
+    code = main([
+        "replay", "--system", "inprocess-cpu", "--minutes", "30", "--minute-seconds", "0.02",
+        "--max-requests", "15", "--set", "model_mib=1", "--out", str(out), "--no-progress",
+        "--pattern", "periodic,bursty", "--functions", "4", "--spacing", "even",
+    ])
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())
+    assert {f["pattern"]["kind"] for f in config["workload"]["functions"]} <= {"periodic", "bursty"}
+    assert len(config["workload"]["functions"]) == 4
+    assert config["config"]["system_options"] == {"model_mib": "1"}
+    assert config["config"]["spacing"] == "even"
+    assert "inprocess-cpu[model_mib=1]" in capsys.readouterr().out
+
+
+def test_cli_comparison_checks_every_system_before_the_first_run(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["replay", "--system", "inprocess-cpu,monolithic", "--out", str(out), "--no-progress"]) == 2
+    assert "'monolithic' is planned but not wired" in capsys.readouterr().err
+    assert not out.exists()
