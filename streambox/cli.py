@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from streambox.config import Config
 from streambox.device import DeviceError
@@ -58,6 +59,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(_config(args), models=args.models, batch=args.batch)
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Rewrite a zoo model's kernels into persistent-thread-block form and build them with nvcc."""
+    from streambox.kernel_compiler.tvm_compile import CompilerUnavailable, compile_model
+
+    shape = tuple(int(d) for d in args.input_shape.split("x")) if args.input_shape else None
+    pool_root = args.out if args.out is not None else _config(args).model_pool
+    try:
+        report = compile_model(
+            args.model, args.arch, pool_root, args.batch, shape, nvcc=False if args.no_nvcc else None
+        )
+    except CompilerUnavailable as error:
+        print(f"streambox compile: error: {error}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streambox",
@@ -76,6 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--models", nargs="*", help="zoo models to run (default: all)")
     demo.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     demo.set_defaults(handler=cmd_demo)
+
+    compile_ = commands.add_parser(
+        "compile",
+        help="compile a zoo model's kernels to persistent-thread-block CUDA (needs the 'compiler' extra)",
+    )
+    _add_device_options(compile_)
+    compile_.add_argument("model", help="zoo model name")
+    compile_.add_argument("--arch", default="sm_90", help="CUDA architecture, sm_75 to sm_90 (default sm_90)")
+    compile_.add_argument("--out", type=Path, help="model pool directory (default: STREAMBOX_MODEL_POOL)")
+    compile_.add_argument("--batch", type=int, default=1)
+    compile_.add_argument("--input-shape", help="input shape without the batch, e.g. 3x224x224")
+    compile_.add_argument("--no-nvcc", action="store_true", help="emit CUDA C only")
+    compile_.set_defaults(handler=cmd_compile)
     return parser
 
 
