@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,16 @@ class ModelPool:
             tmp.write_text(profile_plan(plan).to_json())
             os.replace(tmp, path / PROFILE_FILE)
         return MemoryProfile.from_json((path / PROFILE_FILE).read_text())
+
+    def store_profile(self, profile: MemoryProfile) -> Path:
+        """Write `profile` beside its plan (e.g. once the kernels' run times are filled in), atomically."""
+        path = self.path_for(profile.model, profile.batch, tuple(profile.input_shape))
+        if not (path / PLAN_FILE).exists():
+            raise FileNotFoundError(f"no plan for {profile.model} batch {profile.batch} at {path}")
+        tmp = path / f".{PROFILE_FILE}.{os.getpid()}.{threading.get_ident()}"
+        tmp.write_text(profile.to_json())
+        os.replace(tmp, path / PROFILE_FILE)
+        return path / PROFILE_FILE
 
     def list(self) -> list[PoolEntry]:
         """Every complete plan in the pool, sorted by model, batch and shape."""

@@ -11,7 +11,7 @@ class PoolMode(StrEnum):
     """Which memory-management mechanisms a pool runs with.
 
     - `static`: a caching pool that grows on demand and never gives memory back, allocating each
-      variable up front and keeping it until the instance ends (cudaMemPool / PyTorch caching
+      variable of a run up front and keeping it until the run ends (cudaMemPool / PyTorch caching
       allocator): the stream-only baseline.
     - `fm`: fine-grained memory management: lazy allocation on first access and eager recycling
       at the expected access count; the pool still grows on demand and never shrinks.

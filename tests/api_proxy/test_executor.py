@@ -11,6 +11,8 @@ from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import V100_16GB, GiB
 from streambox.kernel_compiler.memory_profile import profile_plan
 from streambox.kernel_compiler.zoo import ZOO, example_input, get_entry
+from streambox.memory_pool.pool import DeviceMemoryPool
+from streambox.memory_pool.scaler import PositionBoard
 
 SPEC = V100_16GB.with_overrides(total_memory=4 * GiB, context_create_s=0.0, context_memory=0)
 
@@ -110,3 +112,169 @@ def test_missing_input_is_named(pool, runtime):
     model = upload_model(runtime, plan, allocator, stream)
     with pytest.raises(KeyError, match="missing inputs"):
         PlanExecutor(runtime, allocator).run(model, {}, stream)
+
+
+# --- through the runtime's memory pool, per pool mode --------------------------------------------
+
+MiB = 1 << 20
+
+
+def _eager(zoo_model, name, x):
+    with torch.no_grad():
+        want = zoo_model(name)(x)
+    return list(want) if isinstance(want, tuple | list) else [want]
+
+
+def _setup(pool, runtime, name="resnet18", batch=1):
+    shape = get_entry(name).small_input_shape
+    plan = pool.get_or_lower(name, batch, shape)
+    mem = DeviceMemoryPool(runtime)
+    stream = runtime.create_stream()
+    model = upload_model(runtime, plan, mem, stream)
+    x = example_input(name, batch, shape)
+    handle = upload_tensor(runtime, x, mem.allocate, stream)
+    return plan, mem, stream, model, x, handle
+
+
+@pytest.mark.parametrize("mode", ["static", "fm", "fm+rs"])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_models_through_the_memory_pool_match_eager_torch(name, mode, pool, zoo_model, runtime):
+    plan, mem, stream, model, x, handle = _setup(pool, runtime, name)
+    resident = mem.demand_bytes
+    assert resident == plan.weight_bytes + handle.nbytes
+
+    result = PlanExecutor.for_mode(runtime, mem, mode).run(model, {plan.inputs[0]: handle}, stream)
+    got = [download_tensor(runtime, result.outputs[n], stream) for n in plan.outputs]
+    for g, w in zip(got, _eager(zoo_model, name, x), strict=True):
+        torch.testing.assert_close(g, w, **_tolerance(w.dtype))
+
+    profile = profile_plan(plan)
+    peak = profile.peak_no_eager if mode == "static" else profile.peak_eager
+    assert result.stats.peak_live_bytes == peak
+    assert mem.demand_bytes == resident + sum(t.nbytes for t in result.outputs.values())
+
+    mem.free_many([t.address for t in result.outputs.values()] + [handle.address], stream)
+    free_model(model, mem, stream)
+    mem.drain()
+    assert (mem.demand_bytes, mem.allocated_bytes) == (0, 0)
+    mem.trim_to(0)
+    assert mem.reserved_bytes == 0 and runtime.allocated_bytes() == 0  # every byte back
+
+
+def test_static_allocates_up_front_fm_at_first_access(pool, runtime):
+    plan, mem, stream, model, x, handle = _setup(pool, runtime)
+    base = mem.demand_bytes
+    profile = profile_plan(plan)
+    for mode, first in (("static", profile.peak_no_eager), ("fm", profile.kernels[0].live_eager)):
+        seen = {}
+
+        def watch(index, kernel, seen=seen):
+            seen.setdefault(index, mem.demand_bytes - base)
+
+        result = PlanExecutor.for_mode(runtime, mem, mode).run(model, {"x": handle}, stream, on_kernel=watch)
+        # at kernel 0: static holds every variable; fm only what kernel 0 touched so far (nothing yet)
+        assert seen[0] == (first if mode == "static" else 0)
+        assert seen[1] == (first if mode == "static" else profile.kernels[0].live_eager)
+        mem.free_many([t.address for t in result.outputs.values()], stream)
+
+
+def test_a_warm_instance_keeps_its_registrations_and_holds_nothing_between_runs(pool, zoo_model, runtime):
+    plan, mem, stream, model, x, handle = _setup(pool, runtime)
+    executor = PlanExecutor(runtime, mem)
+    outs = []
+    for _ in range(2):
+        result = executor.run(model, {"x": handle}, stream, instance="f1")
+        assert result.instance == "f1"
+        outs.append(download_tensor(runtime, result.outputs[plan.outputs[0]], stream))
+        mem.free_many([t.address for t in result.outputs.values()], stream)
+        assert executor.held_bytes("f1") == 0
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert executor.instances() == ["f1"]
+    assert executor.release_instance("f1") == 0 and executor.instances() == []
+
+
+@pytest.mark.parametrize("mode", ["static", "fm"])
+def test_a_crashed_run_releases_everything_and_the_next_one_succeeds(mode, pool, zoo_model, runtime):
+    plan, mem, stream, model, x, handle = _setup(pool, runtime)
+    board = PositionBoard()
+    executor = PlanExecutor.for_mode(runtime, mem, mode, positions=board)
+    base = mem.demand_bytes
+
+    def crash(index, kernel):
+        if index == 7:
+            raise RuntimeError("function crashed")
+
+    with pytest.raises(RuntimeError, match="function crashed"):
+        executor.run(model, {"x": handle}, stream, instance="f1", on_kernel=crash)
+    assert mem.demand_bytes == base and executor.held_bytes("f1") == 0 and len(board) == 0
+    result = executor.run(model, {"x": handle}, stream, instance="f1")
+    got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+    torch.testing.assert_close(got, _eager(zoo_model, "resnet18", x)[0], **_tolerance(torch.float32))
+
+
+def test_release_instance_frees_what_an_abandoned_instance_holds(pool, runtime):
+    plan, mem, stream, model, x, handle = _setup(pool, runtime)
+    board = PositionBoard()
+    executor = PlanExecutor(runtime, mem, recycler="thread", positions=board)
+    base = mem.demand_bytes
+    held = {}
+
+    def abandon(index, kernel):
+        if index == 12:
+            held["bytes"] = executor.held_bytes("f1")
+            raise SystemExit  # the function's thread dies mid-plan
+
+    with pytest.raises(SystemExit):
+        executor.run(model, {"x": handle}, stream, instance="f1", on_kernel=abandon)
+    assert held["bytes"] > 0 and mem.demand_bytes == base
+    assert executor.release_instance("f1") == 0 and executor.instances() == []
+    assert executor.release_instance("never-seen") == 0
+
+
+def test_background_recycler_frees_the_same_buffers(pool, zoo_model, runtime):
+    from streambox.memory_pool.periodic import PeriodicThread
+
+    plan, mem, stream, model, x, handle = _setup(pool, runtime)
+    executor = PlanExecutor(runtime, mem, recycler="thread")
+    recycler = PeriodicThread("recycler", 0.001, executor.recycle).start()
+    try:
+        result = executor.run(model, {"x": handle}, stream)
+        got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+    finally:
+        recycler.stop()
+    torch.testing.assert_close(got, _eager(zoo_model, "resnet18", x)[0], **_tolerance(torch.float32))
+    assert result.stats.peak_live_bytes >= profile_plan(plan).peak_eager
+    assert mem.demand_bytes == plan.weight_bytes + handle.nbytes + result.outputs[plan.outputs[0]].nbytes
+
+
+def test_positions_are_reported_per_kernel(pool, runtime):
+    plan, mem, stream, model, x, handle = _setup(pool, runtime)
+    board = PositionBoard()
+    executor = PlanExecutor(runtime, mem, positions=board)
+    seen = []
+
+    def watch(index, kernel):
+        ((position, held),) = board.snapshot()
+        seen.append((position.instance, position.model, position.batch, position.kernel))
+
+    executor.run(model, {"x": handle}, stream, instance="f9", on_kernel=watch)
+    assert seen == [("f9", "resnet18", 1, i) for i in range(len(plan.kernels))]
+    assert len(board) == 0  # removed when the run is issued
+
+
+def test_plan_kernel_seconds_are_stored_in_the_memory_profile(pool, runtime):
+    from streambox.api_proxy.profiling import profile_on_device
+    from streambox.memory_pool.scaler import model_profile_from
+
+    shape = get_entry("text_encoder").small_input_shape
+    profile = profile_on_device(pool, runtime, "text_encoder", 1, shape, repeats=2)
+    plan = pool.get_or_lower("text_encoder", 1, shape)
+    assert len(profile.runtime_s) == len(plan.kernels)
+    assert all(t == 0.0 for t, k in zip(profile.runtime_s, plan.kernels, strict=True) if k.kind == "view")
+    assert all(t > 0.0 for t, k in zip(profile.runtime_s, plan.kernels, strict=True) if k.kind != "view")
+    assert pool.profile("text_encoder", 1, shape).runtime_s == profile.runtime_s  # stored beside the plan
+    scaling = model_profile_from(profile)
+    assert scaling.peak_bytes == profile.peak_eager and scaling.total_runtime_s == pytest.approx(
+        sum(profile.runtime_s)
+    )
+    assert runtime.allocated_bytes() == 0

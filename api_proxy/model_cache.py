@@ -1,0 +1,218 @@
+"""Shared model weights: loaded once per pool, refcounted, kept alive, never freed under a kernel.
+
+The shell around the pure `WeightCache` policy. Every function instance running a model uses the
+same device copy of its weights (keyed by model name: plans of one model at other batch sizes or
+input shapes share them):
+
+- `acquire(plan, stream)`: the first user allocates the weights (`allocate_weights`) and copies them
+  (`copy_weights`, replaceable by the IO daemon through `copy=`) on its stream and records a
+  *ready* event; every user's stream waits on that event, so no kernel reads a weight before it
+  has arrived. Users arriving during the load wait for its issue, not for the copy.
+- `release(model, after=done)`: the user leaves once `after` (its run's `done` event) has
+  completed; until then it still counts as a user, so a running kernel never loses its weights.
+- `expire()`: frees the weights of models idle for longer than `keep_alive_s` (the policy decides;
+  a periodic sweep calls this). `evict_idle(nbytes)` frees idle models early, oldest first: the
+  pool's pressure handler when an allocation cannot be met.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from streambox.device import Event, Runtime, Stream
+from streambox.kernel_compiler.plan import KernelPlan
+from streambox.memory_pool.mapping_table import WeightCache
+
+from .executor import Allocator, DeviceModel, allocate_weights, copy_weights, free_all, plan_key
+
+__all__ = ["ModelCache"]
+
+CopyFn = Callable[[Runtime, DeviceModel, Stream], None]
+
+
+@dataclass
+class _Resident:
+    """One model's weights on the device, and the plans that use them."""
+
+    name: str
+    loaded: threading.Event = field(default_factory=threading.Event)
+    model: DeviceModel | None = None  # the first plan's, owning the weight buffers
+    ready: Event | None = None  # completes when the copies have arrived
+    error: BaseException | None = None
+    plans: dict[str, DeviceModel] = field(default_factory=dict)  # layout key -> model of that plan
+
+    @property
+    def nbytes(self) -> int:
+        return self.model.weight_bytes if self.model is not None else 0
+
+
+class ModelCache:
+    """Weights shared by every instance of a model in one pool, with keep-alive. Thread-safe."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        allocator: Allocator,
+        *,
+        keep_alive_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        copy: CopyFn = copy_weights,
+    ) -> None:
+        if keep_alive_s < 0:
+            raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
+        self.runtime = runtime
+        self.allocator = allocator
+        self.keep_alive_s = keep_alive_s
+        self.clock = clock
+        self.copy = copy
+        self._policy = WeightCache()
+        self._resident: dict[str, _Resident] = {}
+        self._deferred: list[tuple[Event, str]] = []
+        self._lock = threading.Lock()
+        self._stream = runtime.create_stream()  # frees of evicted weights
+        self.loads = 0
+        self.evictions = 0
+
+    # -- users ----------------------------------------------------------------------------------
+    def acquire(self, plan: KernelPlan, stream: Stream) -> DeviceModel:
+        """The plan's model with resident weights; `stream` waits for them. Loads on first use."""
+        name = plan.model
+        with self._lock:
+            self._settle_locked()
+            is_new = self._policy.acquire(name, self.clock())
+            if is_new:
+                resident = self._resident[name] = _Resident(name)
+            else:
+                resident = self._resident[name]
+        if is_new:
+            try:
+                model = allocate_weights(self.runtime, plan, self.allocator, stream)
+                try:
+                    self.copy(self.runtime, model, stream)
+                except BaseException:
+                    free_all(self.allocator, [t.address for t in model.weights.values()], stream, fence=True)
+                    raise
+                ready = self.runtime.create_event(timing=False)
+                ready.record(stream)
+            except BaseException as exc:
+                with self._lock:
+                    resident.error = exc
+                    self._policy.release(name, self.clock())
+                    self._policy.evict(name)
+                    del self._resident[name]
+                resident.loaded.set()
+                raise
+            resident.model, resident.ready = model, ready
+            resident.plans[plan_key(plan)] = model
+            self.loads += 1
+            resident.loaded.set()
+        else:
+            resident.loaded.wait()
+            if resident.error is not None:
+                with self._lock:
+                    self._release_locked(name)
+                raise RuntimeError(f"loading the weights of {name} failed") from resident.error
+            assert resident.ready is not None
+            stream.wait_event(resident.ready)
+        return self._plan_model(resident, plan)
+
+    def _plan_model(self, resident: _Resident, plan: KernelPlan) -> DeviceModel:
+        base = resident.model
+        assert base is not None
+        key = plan_key(plan)
+        model = resident.plans.get(key)
+        if model is None:
+            missing = [n for n in plan.weight_names if n not in base.weights]
+            if missing:
+                raise ValueError(f"plan {key} has weights the resident {plan.model} lacks: {missing[:5]}")
+            model = DeviceModel(plan, base.weights, base.weight_views)
+            resident.plans[key] = model
+        return model
+
+    def release(self, model: str, after: Event | None = None) -> None:
+        """One user of `model` leaves once `after` has completed (at once if None)."""
+        with self._lock:
+            if after is not None and not after.query():
+                self._deferred.append((after, model))
+            else:
+                self._release_locked(model)
+
+    def _release_locked(self, model: str) -> None:
+        self._policy.release(model, self.clock())
+
+    def _settle_locked(self) -> None:
+        if self._deferred:
+            still = []
+            for event, model in self._deferred:
+                if event.query():
+                    self._release_locked(model)
+                else:
+                    still.append((event, model))
+            self._deferred = still
+
+    # -- keep-alive -----------------------------------------------------------------------------
+    def expire(self, now: float | None = None) -> list[str]:
+        """Free the weights of models idle for longer than `keep_alive_s`; returns their names."""
+        with self._lock:
+            self._settle_locked()
+            now = self.clock() if now is None else now
+            return self._evict_locked(self._policy.expired(now, self.keep_alive_s), None)
+
+    def evict_idle(self, nbytes: int) -> int:
+        """Free idle models (no user; oldest idle first) until `nbytes` are freed; returns bytes."""
+        with self._lock:
+            self._settle_locked()
+            idle = [m for m in self._policy.models() if self._policy.users(m) == 0]
+            idle.sort(key=lambda m: self._policy.idle_since(m) or 0.0)
+            return sum(self._resident_bytes(m) for m in self._evict_locked(idle, nbytes))
+
+    def _resident_bytes(self, model: str) -> int:
+        resident = self._resident.get(model)
+        return resident.nbytes if resident is not None else 0
+
+    def _evict_locked(self, models: list[str], budget: int | None) -> list[str]:
+        evicted: list[str] = []
+        freed = 0
+        for name in models:
+            if budget is not None and freed >= budget:
+                break
+            resident = self._resident[name]
+            if resident.ready is not None and not resident.ready.query():
+                continue  # copies still in flight (a load whose users all left early): next sweep
+            if resident.model is not None:
+                freed += resident.nbytes
+                # Every user's run has completed (`release(after=done)`): nothing on the device reads
+                # these buffers any more, so they are free for every stream at once.
+                addresses = [t.address for t in resident.model.weights.values()]
+                free_all(self.allocator, addresses, self._stream, fence=True)
+            self._policy.evict(name)
+            del self._resident[name]
+            self.evictions += 1
+            evicted.append(name)
+        return evicted
+
+    # -- inspection -----------------------------------------------------------------------------
+    def users(self, model: str) -> int:
+        with self._lock:
+            self._settle_locked()
+            return self._policy.users(model)
+
+    def resident(self) -> dict[str, int]:
+        """Resident models and their weight bytes."""
+        with self._lock:
+            return {name: r.nbytes for name, r in self._resident.items()}
+
+    @property
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(r.nbytes for r in self._resident.values())
+
+    def close(self) -> None:
+        """Free every resident model (waits for deferred releases only as far as they completed)."""
+        with self._lock:
+            self._settle_locked()
+            self._evict_locked(list(self._resident), None)
+        self._stream.destroy()

@@ -1,0 +1,83 @@
+"""Kernel run times on the device, stored into the memory profile beside the plan.
+
+Algorithm 1 needs, per kernel, the bytes live while it runs (the kernel compiler's memory profile,
+`live_eager`) and how long it runs. The run times come from a profiled run of the executor (events
+around each kernel) on the configured device; `profile_on_device` measures them once (median of a
+few runs after a warm-up) and stores them in `MemoryProfile.runtime_s` through the model pool.
+View kernels do no device work: 0 s.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from streambox.device import Runtime, Stream
+from streambox.kernel_compiler.memory_profile import MemoryProfile
+from streambox.kernel_compiler.model_pool import ModelPool
+from streambox.kernel_compiler.zoo import example_input
+from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig
+
+from .device_tensor import DeviceTensor, upload_tensor
+from .executor import DeviceModel, PlanExecutor, free_all, free_model, upload_model
+
+__all__ = ["measure_kernel_runtimes", "profile_on_device"]
+
+
+def measure_kernel_runtimes(
+    executor: PlanExecutor,
+    model: DeviceModel,
+    inputs: Mapping[str, DeviceTensor],
+    stream: Stream,
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> list[float]:
+    """Median device seconds of every plan kernel over `repeats` profiled runs (0.0 for views)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    samples = []
+    for i in range(warmup + repeats):
+        result = executor.run(model, inputs, stream, profile=True)
+        seconds = result.plan_kernel_seconds()
+        free_all(executor.allocator, [t.address for t in result.outputs.values()], stream, fence=True)
+        if i >= warmup:
+            samples.append(seconds)
+    return [statistics.median(column) for column in zip(*samples, strict=True)]
+
+
+def profile_on_device(
+    model_pool: ModelPool,
+    runtime: Runtime,
+    model: str,
+    batch: int,
+    input_shape: tuple[int, ...] | None = None,
+    *,
+    repeats: int = 3,
+    force: bool = False,
+) -> MemoryProfile:
+    """The plan's memory profile with kernel run times measured on `runtime` (stored; reused later
+    unless `force`)."""
+    profile = model_pool.profile(model, batch, input_shape)
+    if profile.runtime_s is not None and not force:
+        return profile
+    plan = model_pool.get_or_lower(model, batch, input_shape)
+    pool = DeviceMemoryPool(runtime, PoolConfig(metrics=False))
+    stream = runtime.create_stream()
+    try:
+        device_model = upload_model(runtime, plan, pool, stream)
+        x = upload_tensor(
+            runtime, example_input(model, batch, tuple(plan.input_shape)), pool.allocate, stream
+        )
+        executor = PlanExecutor(runtime, pool)
+        profile.runtime_s = measure_kernel_runtimes(
+            executor, device_model, {plan.inputs[0]: x}, stream, repeats=repeats
+        )
+        pool.free(x.address, stream)
+        free_model(device_model, pool, stream)
+        stream.synchronize()
+    finally:
+        pool.close()
+        stream.destroy()
+    model_pool.store_profile(profile)
+    return profile

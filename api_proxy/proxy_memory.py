@@ -1,0 +1,173 @@
+"""The memory side of one API proxy, assembled: pool, executor, shared weights, scaler, threads.
+
+`ProxyMemory(runtime, MemoryOptions(mode=...))` wires the pieces for one pool mode:
+
+- `pool`: the `DeviceMemoryPool`, the only source of device bytes (weights, activations, outputs,
+  and the communication store when it arrives);
+- `executor`: a `PlanExecutor` for the mode (static: up front; fm, fm+rs: lazy + eager), writing
+  positions to `board`;
+- `models`: the `ModelCache` (shared weights, keep-alive), also the pool's pressure handler;
+- `scaler` (fm+rs only): the `ResilientScaler` thread, every T_interval/2 (with a floor);
+  T_interval is measured on the runtime at start-up unless given;
+- a sweep thread (keep-alive expiry, collecting completed frees) and, for `recycler="thread"`, the
+  background recycler.
+
+`infer(instance, plan, inputs, stream)` is one request of one function instance: acquire the model,
+run, release the model when the run is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from streambox.device import Runtime, Stream
+from streambox.kernel_compiler.plan import KernelPlan
+from streambox.memory_pool.modes import PoolMode
+from streambox.memory_pool.periodic import PeriodicThread
+from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig
+from streambox.memory_pool.scaler import (
+    PositionBoard,
+    ResilientScaler,
+    ScalerTiming,
+    measure_t_interval,
+    model_profile_from,
+)
+from streambox.memory_pool.scaling import ScalingConfig
+
+from .device_tensor import DeviceTensor
+from .executor import PlanExecutor, RunResult
+from .model_cache import ModelCache
+
+__all__ = ["MemoryOptions", "ProxyMemory"]
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    mode: PoolMode = PoolMode.FM_RS
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    keep_alive_s: float = 60.0  # shared weights stay this long after their last user
+    recycler: str = "kernel"  # "kernel" (at the kernel boundary) or "thread" (background recycler)
+    recycler_period_s: float = 1e-3
+    t_interval_s: float | None = None  # None: measured on the runtime at start-up
+    min_scaler_period_s: float = 5e-3
+    headroom_bytes: int = 0
+    sweep_period_s: float = 0.02
+
+
+class ProxyMemory:
+    def __init__(
+        self,
+        runtime: Runtime,
+        options: MemoryOptions | None = None,
+        profiles: Iterable[Any] = (),
+        profile_for: Callable[[KernelPlan], Any] | None = None,
+    ) -> None:
+        """`profiles`: memory profiles with run times for the scaler; `profile_for(plan)` is asked once
+        per model and batch that `infer` meets without one (e.g. `ModelPool.profile`)."""
+        self.options = options = options or MemoryOptions()
+        self.profile_for = profile_for
+        self._profiled: set[tuple[str, int]] = set()
+        self.mode = PoolMode.parse(options.mode) if isinstance(options.mode, str) else options.mode
+        self.runtime = runtime
+        self.pool = DeviceMemoryPool(runtime, options.pool)
+        self.board = PositionBoard()
+        self.executor = PlanExecutor.for_mode(
+            runtime, self.pool, self.mode, positions=self.board, recycler=options.recycler
+        )
+        self.models = ModelCache(runtime, self.pool, keep_alive_s=options.keep_alive_s)
+        self.pool.add_pressure_handler(self.models.evict_idle)
+        self.scaler: ResilientScaler | None = None
+        self.timing: ScalerTiming | None = None
+        if self.mode.resilient_scaling:
+            t_interval = (
+                options.t_interval_s if options.t_interval_s is not None else measure_t_interval(runtime)
+            )
+            self.timing = ScalerTiming.from_t_interval(t_interval, options.min_scaler_period_s)
+            config = ScalingConfig(
+                t_interval_s=self.timing.horizon_s,
+                quantum_bytes=options.pool.chunk_bytes,
+                headroom_bytes=options.headroom_bytes,
+            )
+            self.scaler = ResilientScaler(self.pool, self.board, config=config, period_s=self.timing.period_s)
+        for profile in profiles:
+            self.add_profile(profile)
+        self._threads: list[PeriodicThread] = [
+            PeriodicThread("streambox-pool-sweep", options.sweep_period_s, self._sweep)
+        ]
+        if options.recycler == "thread" and self.mode.eager_recycling:
+            self._threads.append(
+                PeriodicThread("streambox-recycler", options.recycler_period_s, self.executor.recycle)
+            )
+        self._started = False
+
+    def add_profile(self, profile: Any) -> None:
+        """A kernel compiler `MemoryProfile` with run times (or a scaling `ModelProfile`)."""
+        self._profiled.add((profile.model, profile.batch))
+        if self.scaler is not None:
+            self.scaler.add_profile(profile if hasattr(profile, "key") else model_profile_from(profile))
+
+    def _ensure_profile(self, plan: KernelPlan) -> None:
+        key = (plan.model, plan.batch)
+        if self.scaler is None or self.profile_for is None or key in self._profiled:
+            return
+        self._profiled.add(key)  # asked once; without run times the function counts as fixed bytes
+        profile = self.profile_for(plan)
+        if profile is not None and getattr(profile, "runtime_s", True) is not None:
+            self.add_profile(profile)
+
+    def _sweep(self) -> None:
+        self.models.expire()
+        self.pool.collect()
+
+    def start(self) -> ProxyMemory:
+        if not self._started:
+            self._started = True
+            for thread in self._threads:
+                thread.start()
+            if self.scaler is not None:
+                self.scaler.start()
+        return self
+
+    def threads(self) -> list[PeriodicThread]:
+        """The pool's background threads (sweep, recycler, scaler), e.g. to read their CPU use."""
+        scaler = [self.scaler.thread] if self.scaler is not None and self.scaler.thread is not None else []
+        return [*self._threads, *scaler]
+
+    def infer(
+        self,
+        instance: Hashable,
+        plan: KernelPlan,
+        inputs: Mapping[str, DeviceTensor],
+        stream: Stream,
+        **options: Any,
+    ) -> RunResult:
+        """One request of `instance`: shared weights in, the plan run, the weights released after it."""
+        self._ensure_profile(plan)
+        model = self.models.acquire(plan, stream)
+        try:
+            result = self.executor.run(model, inputs, stream, instance=instance, **options)
+        except BaseException:
+            issued = self.runtime.create_event(timing=False)  # kernels issued before the failure
+            issued.record(stream)
+            self.models.release(plan.model, after=issued)
+            raise
+        self.models.release(plan.model, after=result.done)
+        return result
+
+    def close(self) -> None:
+        if self.scaler is not None:
+            self.scaler.stop()
+        for thread in self._threads:
+            thread.stop()
+        for instance in self.executor.instances():
+            self.executor.release_instance(instance)
+        self.models.close()
+        self.pool.close()
+
+    def __enter__(self) -> ProxyMemory:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,203 @@
+"""Pool metrics: exact time averages, a bounded time series for plots, allocation latencies.
+
+Three quantities are followed over time:
+
+- `reserved`: device bytes the pool holds (its chunks): what the device (and the bill) sees;
+- `allocated`: bytes of the pool's blocks in use, 256-byte aligned, including blocks whose
+  stream-ordered free the stream has not reached yet;
+- `demand`: the exact live demand: bytes requested by allocations that are live (not yet freed by
+  their owner), unaligned. This is what an oracle pool with no chunks, no alignment and no
+  stream-order delay would hold.
+
+`update` is called by the pool on every change (under the pool's lock). Time averages are exact
+integrals of these step functions, not averages of samples; the series is a bounded record for plots
+(at most one point per `series_interval_s`, plus the last one). Latencies are kept in bounded rings.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["LatencySummary", "MetricsSummary", "PoolMetrics", "Sample", "percentile"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One point of the time series (`t` in seconds since the metrics window started)."""
+
+    t: float
+    reserved: int
+    allocated: int
+    demand: int
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    count: int
+    p50_us: float
+    p90_us: float
+    p99_us: float
+    max_us: float
+
+
+@dataclass(frozen=True)
+class MetricsSummary:
+    """Exact time averages and peaks over the window, and latency percentiles."""
+
+    duration_s: float
+    mean_reserved: float
+    mean_allocated: float
+    mean_demand: float
+    peak_reserved: int
+    peak_allocated: int
+    peak_demand: int
+    pool_over_demand: float  # mean_reserved / mean_demand (inf if no demand)
+    alloc: LatencySummary
+    free: LatencySummary
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The `q`-quantile (0..1) by nearest rank of a non-empty list; nan for an empty one."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _latency(samples: deque[float]) -> LatencySummary:
+    values = list(samples)
+    us = [v * 1e6 for v in values]
+    return LatencySummary(
+        len(us), percentile(us, 0.5), percentile(us, 0.9), percentile(us, 0.99), max(us, default=math.nan)
+    )
+
+
+class PoolMetrics:
+    """Time integrals, peaks, a bounded series and latency rings for one pool. Not thread-safe: the
+    pool calls it under its own lock."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        series_limit: int = 100_000,
+        series_interval_s: float = 1e-3,
+        latency_limit: int = 200_000,
+    ) -> None:
+        self.clock = clock
+        self.series_interval_s = series_interval_s
+        self._series: deque[Sample] = deque(maxlen=series_limit)
+        self._alloc_s: deque[float] = deque(maxlen=latency_limit)
+        self._free_s: deque[float] = deque(maxlen=latency_limit)
+        self._values = (0, 0, 0)
+        self.reset()
+
+    def reset(self, now: float | None = None) -> None:
+        """Start a new window at `now`, keeping the current values."""
+        now = self.clock() if now is None else now
+        self._start = self._last = now
+        self._last_sample = -math.inf
+        self._integrals = [0.0, 0.0, 0.0]
+        self._peaks = list(self._values)
+        self._series.clear()
+        self._alloc_s.clear()
+        self._free_s.clear()
+        self._append(now)
+
+    def update(self, now: float, reserved: int, allocated: int, demand: int) -> None:
+        """The values changed at `now` (monotonic, on the metrics' clock)."""
+        dt = now - self._last
+        if dt > 0:
+            r, a, d = self._values
+            integrals = self._integrals
+            integrals[0] += r * dt
+            integrals[1] += a * dt
+            integrals[2] += d * dt
+            self._last = now
+        self._values = values = (reserved, allocated, demand)
+        peaks = self._peaks
+        if reserved > peaks[0] or allocated > peaks[1] or demand > peaks[2]:
+            self._peaks = [max(p, v) for p, v in zip(peaks, values, strict=True)]
+        if now - self._last_sample >= self.series_interval_s:
+            self._append(now)
+
+    def _append(self, now: float) -> None:
+        r, a, d = self._values
+        self._series.append(Sample(now - self._start, r, a, d))
+        self._last_sample = now
+
+    def record_alloc(self, seconds: float) -> None:
+        self._alloc_s.append(seconds)
+
+    def record_free(self, seconds: float, count: int = 1) -> None:
+        """`count` frees that took `seconds` each (a batch free, amortised)."""
+        if count == 1:
+            self._free_s.append(seconds)
+        else:
+            self._free_s.extend(itertools.repeat(seconds, count))
+
+    # -- reading ----------------------------------------------------------------------------
+    def summary(self, now: float | None = None) -> MetricsSummary:
+        now = self.clock() if now is None else now
+        dt = max(0.0, now - self._last)
+        r, a, d = self._values
+        total = [self._integrals[0] + r * dt, self._integrals[1] + a * dt, self._integrals[2] + d * dt]
+        duration = now - self._start
+        means = [x / duration if duration > 0 else float(v) for x, v in zip(total, self._values, strict=True)]
+        return MetricsSummary(
+            duration_s=duration,
+            mean_reserved=means[0],
+            mean_allocated=means[1],
+            mean_demand=means[2],
+            peak_reserved=self._peaks[0],
+            peak_allocated=self._peaks[1],
+            peak_demand=self._peaks[2],
+            pool_over_demand=means[0] / means[2] if means[2] > 0 else math.inf,
+            alloc=_latency(self._alloc_s),
+            free=_latency(self._free_s),
+        )
+
+    def series(self) -> list[Sample]:
+        """The recorded points, oldest first, with the current values appended."""
+        r, a, d = self._values
+        points = list(self._series)
+        now = self.clock()
+        if not points or points[-1] != Sample(now - self._start, r, a, d):
+            points.append(Sample(now - self._start, r, a, d))
+        return points
+
+    def to_csv(self, path: Path | str) -> Path:
+        """Write the series as CSV: t_s, reserved_bytes, allocated_bytes, demand_bytes."""
+        path = Path(path)
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["t_s", "reserved_bytes", "allocated_bytes", "demand_bytes"])
+            for s in self.series():
+                writer.writerow([f"{s.t:.6f}", s.reserved, s.allocated, s.demand])
+        return path
+
+    def to_json(self, path: Path | str | None = None) -> dict[str, object]:
+        """The summary and the series as one JSON-able dict; written to `path` if given."""
+        series = self.series()
+        data = {
+            "summary": self.summary().to_dict(),
+            "series": {
+                "t_s": [s.t for s in series],
+                "reserved_bytes": [s.reserved for s in series],
+                "allocated_bytes": [s.allocated for s in series],
+                "demand_bytes": [s.demand for s in series],
+            },
+        }
+        if path is not None:
+            Path(path).write_text(json.dumps(data))
+        return data

@@ -1,0 +1,609 @@
+"""The runtime's memory pool: the one source of device bytes for the functions of a proxy.
+
+A thin shell around the pure `SubAllocator`. It takes device memory from the backend's
+stream-ordered pool (`Runtime.create_pool`, i.e. cuMemPool / cuMemAllocAsync) in chunks, carves
+them with the sub-allocator and gives whole free chunks back (`free_async` + `trim_to`).
+
+Chunks (`chunk_size_for`): a request the pool cannot place adds one `chunk_bytes` chunk (2 MiB by
+default, CUDA's large-page granule); a larger request gets a chunk of its own, rounded up to a
+multiple of `chunk_bytes`, whose tail serves later small requests. Small chunks keep trimming
+effective: a chunk goes back to the device only when it is entirely free.
+
+Frees are stream-ordered, as with cuMemFreeAsync. `free_many(addresses, stream)` makes the blocks
+*pending* on `stream`:
+
+- later allocations on the same stream may reuse a pending block of the same aligned size at once
+  (stream order makes that safe; DNN plans repeat tensor sizes, so this is the common case);
+- a *fence* (one event recorded on the stream, amortised over the frees since the previous fence:
+  every `fence_bytes` bytes or `fence_frees` frees, at the end of each run, before the pool grows,
+  and by the periodic `collect`) marks the point after which the blocks are free for every
+  stream: once the event has completed, the blocks go back to the sub-allocator and coalesce
+  (`collect`; also on the stream's next `free_many` and when an allocation does not fit).
+
+When nothing fits, an allocation (1) collects completed fences; (2) if its own stream has fenced
+frees in flight that could make room, waits for the oldest of them instead of growing (the host
+waits, the device keeps running the work queued after the fence) -- this keeps the pool at the
+demand of the kernels being *issued* even when the host runs ahead of the device; (3) grows the
+pool by a chunk (a surge beyond any prediction still succeeds); (4) under device pressure gives
+its free chunks back so the device can hand out one large enough, and asks the pressure handlers
+(e.g. the weight cache evicts idle models); (5) waits, at most `oom_wait_s`, for frees in flight
+anywhere; then (6) fails this one request with `PoolOutOfMemory`, naming the requested, free and
+pool bytes. The pool and the other functions go on.
+
+Which pool mode (static / fm / fm+rs) runs is decided above this class: the executor decides
+lazy allocation and eager recycling, the `ResilientScaler` resizes the pool in fm+rs. Static and fm
+simply never call `trim_to`/`resize`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from streambox.device.base import (
+    ALIGNMENT,
+    DeviceError,
+    Event,
+    InvalidAddress,
+    OutOfDeviceMemory,
+    Runtime,
+    Stream,
+)
+
+from .metrics import PoolMetrics
+from .suballocator import SubAllocator, SubAllocatorStats
+
+__all__ = [
+    "DeviceMemoryPool",
+    "PoolConfig",
+    "PoolCounters",
+    "PoolOutOfMemory",
+    "PoolStats",
+    "chunk_size_for",
+]
+
+MiB = 1 << 20
+_MASK = ~(ALIGNMENT - 1)
+
+#: A pressure handler is asked to free device bytes (e.g. evict idle cached weights); returns bytes freed.
+PressureHandler = Callable[[int], int]
+
+
+def chunk_size_for(nbytes: int, chunk_bytes: int) -> int:
+    """Bytes of the chunk to add for a request of `nbytes` that the pool cannot place.
+
+    One `chunk_bytes` chunk for a small request; a request larger than that gets its own chunk,
+    rounded up to a multiple of `chunk_bytes`.
+    """
+    if nbytes < 0 or chunk_bytes < ALIGNMENT or chunk_bytes % ALIGNMENT:
+        raise ValueError(
+            f"need nbytes >= 0 and chunk_bytes a multiple of {ALIGNMENT}: {nbytes}, {chunk_bytes}"
+        )
+    return max(chunk_bytes, -(-nbytes // chunk_bytes) * chunk_bytes)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Knobs of the pool shell (the mode lives above it)."""
+
+    chunk_bytes: int = 2 * MiB
+    fence_bytes: int = 1 * MiB  # record a fence once this many freed bytes wait on one stream...
+    fence_frees: int = 64  # ...or this many frees
+    wait_own_frees: bool = True  # before growing, wait for this stream's fenced frees in flight
+    oom_wait_s: float = 0.5  # bounded wait for frees in flight before an allocation fails
+    metrics: bool = True
+    series_limit: int = 100_000
+    series_interval_s: float = 1e-3
+
+    def __post_init__(self) -> None:
+        chunk_size_for(0, self.chunk_bytes)  # validates chunk_bytes
+        if self.fence_bytes < 0 or self.fence_frees < 1 or self.oom_wait_s < 0:
+            raise ValueError(f"invalid pool config: {self}")
+
+
+class PoolOutOfMemory(OutOfDeviceMemory):
+    """An allocation the pool could not meet even after trimming and a bounded wait."""
+
+    def __init__(
+        self,
+        requested: int,
+        free: int,
+        pool_bytes: int,
+        largest_free: int,
+        device_free: int,
+        device_total: int,
+        waited_s: float,
+    ) -> None:
+        self.requested, self.free, self.total = requested, free, device_total
+        self.pool_bytes, self.largest_free, self.device_free = pool_bytes, largest_free, device_free
+        DeviceError.__init__(
+            self,
+            f"memory pool out of memory: requested {requested} bytes; {free} bytes free in the pool "
+            f"(largest free block {largest_free}) of {pool_bytes} pool bytes; device: {device_free} of "
+            f"{device_total} bytes free (after trimming and waiting {waited_s:.3f} s)",
+        )
+
+
+@dataclass
+class PoolCounters:
+    """Event counts since the pool was made (for reports; not exact under concurrent reads)."""
+
+    allocations: int = 0
+    frees: int = 0
+    same_stream_reuses: int = 0
+    fences: int = 0
+    grows: int = 0
+    grow_bytes: int = 0
+    trims: int = 0
+    trim_bytes: int = 0
+    own_frees_waits: int = 0
+    pressure_trims: int = 0
+    out_of_memory: int = 0
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    reserved_bytes: int
+    allocated_bytes: int
+    demand_bytes: int
+    pending_free_bytes: int
+    live_allocations: int
+    sub: SubAllocatorStats
+    counters: PoolCounters = field(default_factory=PoolCounters)
+
+
+class _StreamFrees:
+    """Blocks freed on one stream and not yet given back to every stream."""
+
+    __slots__ = ("stream", "pending", "pending_bytes", "by_size", "unfenced", "unfenced_bytes", "fenced")
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.pending: dict[int, int] = {}  # address -> token of its latest free
+        self.pending_bytes = 0
+        self.by_size: dict[int, dict[int, None]] = {}  # aligned size -> pending addresses
+        self.unfenced: list[tuple[int, int, int]] = []  # (address, token, size) since the last fence
+        self.unfenced_bytes = 0
+        self.fenced: deque[tuple[Event, list[tuple[int, int, int]]]] = deque()
+
+    def take(self, size: int) -> int | None:
+        """A pending block of exactly `size` bytes, for reuse on this same stream."""
+        bucket = self.by_size.get(size)
+        if not bucket:
+            return None
+        address = bucket.popitem()[0]
+        if not bucket:
+            del self.by_size[size]
+        del self.pending[address]
+        self.pending_bytes -= size
+        return address
+
+    def drop(self, address: int, size: int) -> None:
+        del self.pending[address]
+        self.pending_bytes -= size
+        bucket = self.by_size[size]
+        del bucket[address]
+        if not bucket:
+            del self.by_size[size]
+
+    @property
+    def idle(self) -> bool:
+        return not (self.pending or self.fenced or self.unfenced)
+
+
+def _aligned(nbytes: int) -> int:
+    if nbytes <= ALIGNMENT:
+        if nbytes < 0:
+            raise ValueError(f"negative size: {nbytes}")
+        return ALIGNMENT
+    return (nbytes + ALIGNMENT - 1) & _MASK
+
+
+def _wait(event: Event, timeout_s: float) -> bool:
+    """Poll `event` until it completes or `timeout_s` passes. Never `synchronize`: that would take
+    the stream's kernel errors away from the function that owns the stream."""
+    deadline = time.perf_counter() + timeout_s
+    pause = 20e-6
+    while not event.query():
+        if time.perf_counter() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    return True
+
+
+class DeviceMemoryPool:
+    """Chunks from the backend's stream-ordered pool, sub-allocated; the executor's `Allocator`.
+
+    Thread-safe (one re-entrant lock). `allocate`/`free` implement the executor's protocol;
+    `free_many` frees a batch with one fence decision.
+    """
+
+    def __init__(self, runtime: Runtime, config: PoolConfig | None = None) -> None:
+        self.runtime = runtime
+        self.config = config or PoolConfig()
+        self._backend = runtime.create_pool(0)
+        self._stream = runtime.create_stream()  # the pool's own stream: chunk allocs and frees
+        self._sub = SubAllocator()
+        self._lock = threading.RLock()
+        self._live: dict[int, int] = {}  # address -> requested bytes
+        self._demand = 0
+        self._streams: dict[Stream, _StreamFrees] = {}
+        self._token = 0
+        self._handlers: list[PressureHandler] = []
+        self.counters = PoolCounters()
+        self.metrics: PoolMetrics | None = (
+            PoolMetrics(time.perf_counter, self.config.series_limit, self.config.series_interval_s)
+            if self.config.metrics
+            else None
+        )
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<DeviceMemoryPool reserved={self._sub.reserved_bytes} allocated={self._sub.allocated_bytes} "
+            f"demand={self._demand}>"
+        )
+
+    # -- the executor's Allocator protocol ------------------------------------------------------
+    def allocate(self, nbytes: int, stream: Stream) -> int:
+        """An address of at least `nbytes` device bytes usable by work issued to `stream` from now on."""
+        started = time.perf_counter()
+        size = _aligned(nbytes)
+        with self._lock:
+            if self._closed:
+                raise DeviceError("memory pool is closed")
+            address = None
+            frees = self._streams.get(stream)
+            if frees is not None and frees.pending:
+                address = frees.take(size)
+                if address is not None:
+                    self.counters.same_stream_reuses += 1
+            if address is None:
+                address = self._sub.allocate(size)
+                if address is None:
+                    address = self._allocate_slow(nbytes, size, stream)
+            self._live[address] = nbytes
+            self._demand += nbytes
+            self.counters.allocations += 1
+            metrics = self.metrics
+            if metrics is not None:
+                now = time.perf_counter()
+                metrics.update(now, self._sub.reserved_bytes, self._sub.allocated_bytes, self._demand)
+                metrics.record_alloc(now - started)
+        return address
+
+    def free(self, address: int, stream: Stream | None) -> None:
+        """Free one block, stream-ordered on `stream` (None: no device work uses it any more)."""
+        self.free_many((address,), stream)
+
+    def free_many(self, addresses: Iterable[int], stream: Stream | None) -> None:
+        """Free blocks after the work issued to `stream` so far (None: free for every stream now)."""
+        started = time.perf_counter()
+        count = 0
+        with self._lock:
+            live = self._live
+            if stream is None:
+                for address in addresses:
+                    self._demand -= self._pop_live(address)
+                    self._sub.free(address)
+                    count += 1
+            else:
+                frees = self._streams.get(stream)
+                if frees is None:
+                    frees = self._streams[stream] = _StreamFrees(stream)
+                pending, by_size, unfenced = frees.pending, frees.by_size, frees.unfenced
+                for address in addresses:
+                    nbytes = live.pop(address, None)
+                    if nbytes is None:
+                        self._pop_live(address)  # raises the right error
+                    self._demand -= nbytes
+                    size = _aligned(nbytes)
+                    self._token += 1
+                    pending[address] = self._token
+                    bucket = by_size.get(size)
+                    if bucket is None:
+                        by_size[size] = {address: None}
+                    else:
+                        bucket[address] = None
+                    unfenced.append((address, self._token, size))
+                    frees.unfenced_bytes += size
+                    frees.pending_bytes += size
+                    count += 1
+                config = self.config
+                if frees.unfenced_bytes >= config.fence_bytes or len(unfenced) >= config.fence_frees:
+                    self._fence_locked(frees, None)
+                if frees.fenced and frees.fenced[0][0].query():
+                    # Only this stream's completed fences here (one query): the others are collected
+                    # by their own frees, by an allocation that does not fit, and by the sweep.
+                    self._collect_stream(frees)
+            self.counters.frees += count
+            metrics = self.metrics
+            if metrics is not None and count:
+                now = time.perf_counter()
+                metrics.update(now, self._sub.reserved_bytes, self._sub.allocated_bytes, self._demand)
+                metrics.record_free((now - started) / count, count)
+
+    def fence(self, stream: Stream, event: Event | None = None) -> None:
+        """Make the frees issued so far on `stream` free for every stream once it reaches this point.
+
+        `event`, if given, must have been recorded on `stream` after those frees (e.g. a run's
+        `done` event); otherwise one is recorded.
+        """
+        with self._lock:
+            frees = self._streams.get(stream)
+            if frees is not None:
+                self._fence_locked(frees, event)
+            self._collect_locked()
+
+    def _pop_live(self, address: int) -> int:
+        try:
+            return self._live.pop(address)
+        except KeyError:
+            raise InvalidAddress(
+                f"free of device address {address:#x}: not a live allocation of this pool (double free?)"
+            ) from None
+
+    def _fence_locked(self, frees: _StreamFrees, event: Event | None) -> None:
+        if not frees.unfenced:
+            return
+        if event is None:
+            event = self.runtime.create_event(timing=False)
+            event.record(frees.stream)
+        frees.fenced.append((event, frees.unfenced))
+        frees.unfenced = []
+        frees.unfenced_bytes = 0
+        self.counters.fences += 1
+
+    def _collect_locked(self) -> int:
+        """Give blocks whose fence has completed back to the sub-allocator; returns bytes collected."""
+        collected = 0
+        idle = []
+        for stream, frees in self._streams.items():
+            collected += self._collect_stream(frees)
+            if frees.idle:
+                idle.append(stream)
+        for stream in idle:
+            del self._streams[stream]
+        return collected
+
+    def _collect_stream(self, frees: _StreamFrees) -> int:
+        collected = 0
+        fenced = frees.fenced
+        pending = frees.pending
+        while fenced and fenced[0][0].query():
+            _, batch = fenced.popleft()
+            for address, token, size in batch:
+                if pending.get(address) == token:  # not reused (and freed again) meanwhile
+                    frees.drop(address, size)
+                    self._sub.free(address)
+                    collected += size
+        return collected
+
+    def collect(self, fence: bool = True) -> int:
+        """Give blocks whose stream has passed their free back to every stream; returns the bytes.
+
+        `fence=True` (the periodic sweep) also fences every stream's frees that no fence covers yet,
+        so that a lone free on a stream that frees nothing more is not pending forever.
+        """
+        with self._lock:
+            if fence:
+                for frees in self._streams.values():
+                    self._fence_locked(frees, None)
+            collected = self._collect_locked()
+            self._update_metrics()
+            return collected
+
+    # -- growing, waiting, failing --------------------------------------------------------------
+    def _allocate_slow(self, nbytes: int, size: int, stream: Stream) -> int:
+        """Called with the lock held (once) when no free block fits."""
+        deadline: float | None = None
+        waited_from = time.perf_counter()
+        trimmed_for_pressure = False
+        wait_own = self.config.wait_own_frees
+        while True:
+            self._collect_locked()
+            address = self._sub.allocate(size)
+            if address is not None:
+                return address
+            own = self._streams.get(stream)
+            if (
+                wait_own
+                and own is not None
+                and own.fenced
+                and own.pending_bytes + self._sub.reserved_bytes - self._sub.allocated_bytes >= size
+            ):  # once this stream's frees land (coalescing with free neighbours), it may fit
+                self.counters.own_frees_waits += 1
+                # A stream that does not get there in time (a kernel stuck) stops this waiting.
+                wait_own = self._unlocked_wait(own.fenced[0][0], self.config.oom_wait_s)
+                continue
+            for frees in self._streams.values():  # lone frees elsewhere: collectable soon
+                self._fence_locked(frees, None)
+            try:
+                self._grow_locked(chunk_size_for(size, self.config.chunk_bytes))
+                continue
+            except OutOfDeviceMemory:
+                pass
+            if not trimmed_for_pressure:
+                # Ask the handlers to free memory (idle weights), then give our free chunks to the
+                # device: they may add up to enough but be scattered, the device can hand out one.
+                trimmed_for_pressure = True
+                self.counters.pressure_trims += 1
+                self._call_handlers(size)
+                self._collect_locked()
+                self._trim_locked(0)
+                continue
+            now = time.perf_counter()
+            if deadline is None:
+                deadline = now + self.config.oom_wait_s
+            if now >= deadline:
+                self.counters.out_of_memory += 1
+                free_dev, total_dev = self.runtime.memory_info()
+                st = self._sub.stats()
+                raise PoolOutOfMemory(
+                    nbytes,
+                    st.free_bytes,
+                    st.reserved_bytes,
+                    st.largest_free_block,
+                    free_dev,
+                    total_dev,
+                    now - waited_from,
+                )
+            for frees in self._streams.values():
+                self._fence_locked(frees, None)
+            oldest = [f.fenced[0][0] for f in self._streams.values() if f.fenced]
+            if oldest:
+                self._unlocked_wait(oldest[0], min(deadline - now, 0.01))
+            else:
+                self._unlocked_sleep(min(deadline - now, 1e-3))
+            trimmed_for_pressure = False
+
+    def _unlocked_wait(self, event: Event, timeout_s: float) -> bool:
+        self._lock.release()
+        try:
+            return _wait(event, timeout_s)
+        finally:
+            self._lock.acquire()
+
+    def _unlocked_sleep(self, seconds: float) -> None:
+        self._lock.release()
+        try:
+            time.sleep(max(0.0, seconds))
+        finally:
+            self._lock.acquire()
+
+    def _call_handlers(self, nbytes: int) -> int:
+        freed = 0
+        self._lock.release()  # handlers take their own locks and free into this pool
+        try:
+            for handler in list(self._handlers):
+                freed += handler(nbytes)
+        finally:
+            self._lock.acquire()
+        return freed
+
+    def add_pressure_handler(self, handler: PressureHandler) -> None:
+        """`handler(nbytes)` is asked to free memory when an allocation cannot be met."""
+        self._handlers.append(handler)
+
+    def _grow_locked(self, nbytes: int) -> None:
+        base = self._backend.alloc_async(nbytes, self._stream)
+        # Stream-ordered memory: usable by other streams once the pool's stream has reached the alloc.
+        self._stream.synchronize()
+        self._sub.add_chunk(base, nbytes)
+        self.counters.grows += 1
+        self.counters.grow_bytes += nbytes
+        self._update_metrics()
+
+    def _trim_locked(self, keep_bytes: int) -> int:
+        plan = self._sub.trim_plan(keep_bytes)
+        if not plan:
+            return 0
+        released = 0
+        for base in plan:
+            released += self._sub.remove_chunk(base)
+            self._backend.free_async(base, self._stream)
+        self._stream.synchronize()  # the backend caches the blocks when its stream reaches the frees...
+        self._backend.trim_to(0)  # ...and this gives its cache back to the device
+        self.counters.trims += 1
+        self.counters.trim_bytes += released
+        self._update_metrics()
+        return released
+
+    def _update_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.update(
+                time.perf_counter(), self._sub.reserved_bytes, self._sub.allocated_bytes, self._demand
+            )
+
+    # -- sizing (the scaler and explicit trims) -------------------------------------------------
+    def trim_to(self, keep_bytes: int = 0) -> int:
+        """Give whole free chunks back to the device, keeping at least `keep_bytes`; returns bytes."""
+        if keep_bytes < 0:
+            raise ValueError(f"negative keep_bytes: {keep_bytes}")
+        with self._lock:
+            self._collect_locked()
+            return self._trim_locked(keep_bytes)
+
+    def grow_to(self, target_bytes: int) -> int:
+        """Add `chunk_bytes` chunks until the pool holds at least `target_bytes` (best effort: stops
+        when the device is full). The lock is taken per chunk, so allocations go on meanwhile."""
+        grown = 0
+        while True:
+            with self._lock:
+                if self._closed or self._sub.reserved_bytes >= target_bytes:
+                    return grown
+                try:
+                    self._grow_locked(self.config.chunk_bytes)
+                except OutOfDeviceMemory:
+                    return grown
+                grown += self.config.chunk_bytes
+
+    def resize(self, target_bytes: int) -> int:
+        """Grow or trim towards `target_bytes`; returns the change in reserved bytes."""
+        before = self.reserved_bytes
+        if target_bytes > before:
+            self.grow_to(target_bytes)
+        elif target_bytes < before:
+            self.trim_to(target_bytes)
+        return self.reserved_bytes - before
+
+    # -- inspection -----------------------------------------------------------------------------
+    @property
+    def reserved_bytes(self) -> int:
+        """Device bytes the pool holds (its chunks)."""
+        return self._sub.reserved_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of blocks in use (aligned), frees the streams have not reached yet included."""
+        return self._sub.allocated_bytes
+
+    @property
+    def demand_bytes(self) -> int:
+        """Exact live demand: requested bytes of every live (not yet freed) allocation."""
+        return self._demand
+
+    def reset_metrics(self, now: float | None = None) -> None:
+        """Start a new metrics window (on `time.perf_counter`'s clock), e.g. when a measurement starts."""
+        if self.metrics is not None:
+            with self._lock:
+                self.metrics.reset(now)
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                reserved_bytes=self._sub.reserved_bytes,
+                allocated_bytes=self._sub.allocated_bytes,
+                demand_bytes=self._demand,
+                pending_free_bytes=sum(f.pending_bytes for f in self._streams.values()),
+                live_allocations=len(self._live),
+                sub=self._sub.stats(),
+                counters=PoolCounters(**vars(self.counters)),
+            )
+
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Fence every stream's frees and wait until all of them are back (e.g. before a final trim)."""
+        with self._lock:
+            for frees in self._streams.values():
+                self._fence_locked(frees, None)
+            waiting = [event for frees in self._streams.values() for event, _ in frees.fenced]
+        for event in waiting:
+            _wait(event, timeout_s)
+        self.collect()
+
+    def close(self) -> None:
+        """Wait for frees in flight and give every byte back to the device (live blocks included)."""
+        if self._closed:
+            return
+        self.drain()
+        with self._lock:
+            self._closed = True
+            self._backend.destroy()
+            self._sub = SubAllocator()
+            self._stream.destroy()
+            self._live.clear()
+            self._demand = 0

@@ -1,0 +1,324 @@
+"""The runtime's memory pool on the emulated device: chunks, stream-ordered frees, trims, errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streambox.device.base import InvalidAddress, OutOfDeviceMemory
+from streambox.device.emulated import EmulatedBackend
+from streambox.device.specs import V100_16GB
+from streambox.memory_pool.metrics import PoolMetrics
+from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig, PoolOutOfMemory, chunk_size_for
+
+MiB = 1 << 20
+
+
+def small_spec(total: int = 64 * MiB):
+    return V100_16GB.with_overrides(total_memory=total, context_create_s=0.0, context_memory=0)
+
+
+@pytest.fixture
+def runtime(tmp_path):
+    with EmulatedBackend(spec=small_spec(), state_dir=tmp_path / "state", timeline=False) as backend:
+        rt = backend.open_runtime(0)
+        yield rt
+        rt.close()
+
+
+def gate(runtime, stream) -> threading.Event:
+    """Block `stream` on a kernel until the returned event is set."""
+    opened = threading.Event()
+    runtime.launch(stream, lambda: opened.wait(10), name="gate")
+    return opened
+
+
+def test_chunk_policy() -> None:
+    assert chunk_size_for(1, 2 * MiB) == 2 * MiB
+    assert chunk_size_for(2 * MiB, 2 * MiB) == 2 * MiB
+    assert chunk_size_for(2 * MiB + 1, 2 * MiB) == 4 * MiB
+    assert chunk_size_for(5 * MiB, 2 * MiB) == 6 * MiB
+    with pytest.raises(ValueError):
+        chunk_size_for(1, 1000)
+
+
+def test_small_requests_share_a_chunk_large_ones_get_their_own(runtime) -> None:
+    pool = DeviceMemoryPool(runtime)
+    s = runtime.create_stream()
+    a = pool.allocate(1000, s)
+    b = pool.allocate(3000, s)
+    assert (a % 256, b % 256) == (0, 0)
+    assert pool.reserved_bytes == 2 * MiB and pool.stats().sub.chunks == 1
+    assert (pool.allocated_bytes, pool.demand_bytes) == (1024 + 3072, 4000)
+    big = pool.allocate(5 * MiB, s)
+    assert pool.reserved_bytes == 2 * MiB + 6 * MiB and pool.stats().sub.chunks == 2
+    assert runtime.allocated_bytes() == pool.reserved_bytes  # every byte the device sees is a chunk
+    pool.free_many([a, b, big], s)
+    assert pool.demand_bytes == 0
+    pool.drain()
+    assert pool.allocated_bytes == 0
+    assert pool.trim_to(0) == 8 * MiB
+    assert pool.reserved_bytes == 0 and runtime.allocated_bytes() == 0
+    assert runtime.memory_info()[0] == 64 * MiB
+
+
+def test_a_free_is_stream_ordered_same_stream_reuses_at_once(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1))
+    a, b = runtime.create_stream(), runtime.create_stream()
+    opened = gate(runtime, a)
+    x = pool.allocate(4096, a)
+    pool.free(x, a)  # pending on `a` until `a` passes the gate
+    assert pool.allocate(4096, b) != x  # another stream must not get it yet
+    y = pool.allocate(4096, a)
+    assert y == x and pool.counters.same_stream_reuses == 1  # stream order makes reuse safe
+    pool.free(y, a)
+    opened.set()
+    a.synchronize()
+    assert pool.collect() == 4096
+    assert pool.allocate(4096, b) == x
+
+
+def test_a_reused_block_freed_again_waits_for_its_second_free(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1))
+    a, b = runtime.create_stream(), runtime.create_stream()
+    first = gate(runtime, a)
+    x = pool.allocate(4096, a)
+    pool.free(x, a)  # fence 1, after gate 1
+    passed_fence_1 = threading.Event()
+    runtime.launch(a, passed_fence_1.set, name="marker")
+    assert pool.allocate(4096, a) == x  # reused on `a`...
+    second = gate(runtime, a)
+    pool.free(x, a)  # ...and freed again: fence 2, after gate 2
+    first.set()
+    assert passed_fence_1.wait(5)
+    pool.collect()
+    assert pool.stats().pending_free_bytes == 4096  # fence 1 passed, but x is in use until fence 2
+    assert pool.allocate(4096, b) != x
+    second.set()
+    a.synchronize()
+    pool.collect()
+    assert pool.stats().pending_free_bytes == 0
+    assert pool.allocate(4096, b) == x
+
+
+def test_fences_are_amortised_over_frees(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(fence_frees=4, fence_bytes=1 << 40))
+    s = runtime.create_stream()
+    addresses = [pool.allocate(1024, s) for _ in range(8)]
+    for address in addresses[:3]:
+        pool.free(address, s)
+    assert pool.counters.fences == 0
+    pool.free_many(addresses[3:], s)
+    assert pool.counters.fences == 1
+    pool.fence(s)  # nothing left unfenced: no event
+    assert pool.counters.fences == 1
+
+
+def test_a_lone_free_is_fenced_by_the_periodic_collect(runtime) -> None:
+    pool = DeviceMemoryPool(runtime)  # fences every 1 MiB or 64 frees
+    s = runtime.create_stream()
+    x = pool.allocate(4096, s)
+    pool.free(x, s)
+    assert pool.collect(fence=False) == 0 and pool.stats().pending_free_bytes == 4096
+    collected = pool.collect()  # the sweep's call: fences it (collected at once if already reached)
+    s.synchronize()
+    collected += pool.collect()
+    assert collected == 4096 and pool.stats().pending_free_bytes == 0
+
+
+def test_double_free_and_unknown_address(runtime) -> None:
+    pool = DeviceMemoryPool(runtime)
+    s = runtime.create_stream()
+    x = pool.allocate(100, s)
+    pool.free(x, s)
+    with pytest.raises(InvalidAddress, match="not a live allocation"):
+        pool.free(x, s)
+    with pytest.raises(InvalidAddress):
+        pool.free(12345, None)
+
+
+def test_out_of_memory_fails_one_request_and_names_the_bytes(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(oom_wait_s=0.05))
+    a, b = runtime.create_stream(), runtime.create_stream()
+    held = pool.allocate(40 * MiB, a)
+    with pytest.raises(PoolOutOfMemory) as info:
+        pool.allocate(30 * MiB, b)
+    err = info.value
+    assert isinstance(err, OutOfDeviceMemory)
+    assert (err.requested, err.free, err.pool_bytes) == (30 * MiB, 0, 40 * MiB)
+    assert "requested 31457280 bytes; 0 bytes free in the pool" in str(err)
+    assert "of 41943040 pool bytes" in str(err) and "device: 25165824 of 67108864 bytes free" in str(err)
+    assert pool.counters.out_of_memory == 1
+    # the pool goes on: another request fits, and once the holder frees, the big one fits too
+    small = pool.allocate(1 * MiB, b)
+    pool.free(held, a)
+    pool.drain()
+    again = pool.allocate(30 * MiB, b)
+    assert again == held  # best fit in the freed 40 MiB chunk
+    pool.free_many([small, again], b)
+    pool.drain()
+    pool.trim_to(0)
+    assert runtime.allocated_bytes() == 0
+
+
+def test_scattered_free_chunks_go_back_to_the_device_for_a_large_request(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(oom_wait_s=0.05))
+    s = runtime.create_stream()
+    small = [pool.allocate(2 * MiB, s) for _ in range(30)]  # 30 chunks, 60 MiB
+    pool.free_many(small, s)
+    pool.drain()
+    assert pool.reserved_bytes == 60 * MiB and pool.allocated_bytes == 0
+    big = pool.allocate(40 * MiB, s)  # no chunk fits, the device has 4 MiB: trim, then grow
+    assert pool.counters.pressure_trims == 1
+    assert pool.reserved_bytes == 40 * MiB
+    pool.free(big, s)
+
+
+def test_pressure_handlers_are_asked_before_failing(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(oom_wait_s=0.05))
+    s = runtime.create_stream()
+    cached = pool.allocate(40 * MiB, s)
+    asked = []
+
+    def evict(nbytes: int) -> int:
+        asked.append(nbytes)
+        if len(asked) > 1:
+            return 0
+        pool.free(cached, None)  # e.g. idle weights: no device work reads them
+        return 40 * MiB
+
+    pool.add_pressure_handler(evict)
+    x = pool.allocate(50 * MiB, s)
+    assert asked == [50 * MiB] and pool.demand_bytes == 50 * MiB
+    pool.free(x, s)
+
+
+def test_an_allocation_waits_boundedly_for_frees_in_flight(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(oom_wait_s=5.0))
+    a, b = runtime.create_stream(), runtime.create_stream()
+    x = pool.allocate(40 * MiB, a)
+    opened = gate(runtime, a)
+    pool.free(x, a)  # reaches the pool only once `a` passes the gate
+    timer = threading.Timer(0.1, opened.set)
+    timer.start()
+    y = pool.allocate(40 * MiB, b)
+    timer.join()
+    assert y == x and pool.counters.out_of_memory == 0
+    pool.free(y, b)
+
+
+def test_own_frees_in_flight_are_waited_for_rather_than_growing(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1))
+    s = runtime.create_stream()
+    x = pool.allocate(1 * MiB, s)
+    opened = gate(runtime, s)
+    pool.free(x, s)
+
+    def open_once_waiting() -> None:  # the stream passes the free only once the pool waits for it
+        while pool.counters.own_frees_waits == 0:
+            time.sleep(0.001)
+        opened.set()
+
+    opener = threading.Thread(target=open_once_waiting)
+    opener.start()
+    y = pool.allocate(1 * MiB + 4096, s)  # no exact-size reuse; the freed block coalesces once reached
+    opener.join()
+    assert pool.counters.own_frees_waits >= 1 and pool.reserved_bytes == 2 * MiB
+    assert y == x
+    pool.free(y, s)
+
+
+def test_grow_to_and_trim_to(runtime) -> None:
+    pool = DeviceMemoryPool(runtime)
+    assert pool.grow_to(9 * MiB) == 10 * MiB
+    assert pool.reserved_bytes == 10 * MiB and pool.stats().sub.chunks == 5
+    s = runtime.create_stream()
+    x = pool.allocate(100, s)  # pins one chunk
+    assert pool.trim_to(3 * MiB) == 6 * MiB  # largest first while >= keep: 4 MiB remain
+    assert pool.resize(0) == -2 * MiB  # the pinned chunk stays
+    assert pool.reserved_bytes == 2 * MiB
+    pool.free(x, s)
+    pool.drain()
+    assert pool.resize(0) == -2 * MiB and runtime.allocated_bytes() == 0
+
+
+def test_close_gives_every_byte_back(runtime) -> None:
+    pool = DeviceMemoryPool(runtime)
+    s = runtime.create_stream()
+    pool.allocate(3 * MiB, s)
+    pool.free(pool.allocate(100, s), s)
+    pool.close()
+    assert runtime.allocated_bytes() == 0
+
+
+def test_metrics_time_averages_are_exact() -> None:
+    m = PoolMetrics(clock=lambda: 0.0, series_interval_s=0.0)
+    m.reset(0.0)
+    m.update(0.0, 100, 50, 40)
+    m.update(1.0, 300, 250, 200)
+    m.update(3.0, 100, 0, 0)
+    s = m.summary(4.0)
+    # reserved: 100 for 1 s, 300 for 2 s, 100 for 1 s
+    assert (s.duration_s, s.mean_reserved, s.mean_allocated, s.mean_demand) == (4.0, 200.0, 137.5, 110.0)
+    assert (s.peak_reserved, s.peak_allocated, s.peak_demand) == (300, 250, 200)
+    assert s.pool_over_demand == 200.0 / 110.0
+    m.record_alloc(2e-6)
+    m.record_free(1e-6, count=3)
+    s = m.summary(4.0)
+    assert (s.alloc.count, s.alloc.p50_us, s.free.count) == (1, 2.0, 3)
+    assert [(p.t, p.reserved) for p in m.series()][:4] == [(0.0, 0), (0.0, 100), (1.0, 300), (3.0, 100)]
+
+
+def test_metrics_export(tmp_path) -> None:
+    m = PoolMetrics(clock=lambda: 2.0, series_interval_s=0.0)
+    m.reset(0.0)
+    m.update(1.0, 2 * MiB, 1024, 1000)
+    m.to_csv(tmp_path / "pool.csv")
+    lines = (tmp_path / "pool.csv").read_text().splitlines()
+    assert lines[0] == "t_s,reserved_bytes,allocated_bytes,demand_bytes"
+    assert lines[2] == "1.000000,2097152,1024,1000"
+    data = m.to_json(tmp_path / "pool.json")
+    assert data["summary"]["peak_reserved"] == 2 * MiB
+    assert data["series"]["reserved_bytes"][-1] == 2 * MiB
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["alloc", "free", "fence"]), st.integers(0, 1), st.integers(0, 3 * MiB)),
+        max_size=60,
+    )
+)
+def test_property_no_overlap_and_every_byte_back(tmp_path_factory, ops) -> None:
+    state = tmp_path_factory.mktemp("prop")
+    with EmulatedBackend(spec=small_spec(256 * MiB), state_dir=state, timeline=False) as backend:
+        rt = backend.open_runtime(0)
+        pool = DeviceMemoryPool(rt, PoolConfig(fence_frees=3))
+        streams = [rt.create_stream(), rt.create_stream()]
+        live: dict[int, tuple[int, int]] = {}  # address -> (nbytes, stream index)
+        for op, si, n in ops:
+            if op == "alloc":
+                address = pool.allocate(n, streams[si])
+                end = address + max(n, 1)
+                for other, (m, _) in live.items():
+                    assert end <= other or other + max(m, 1) <= address, "overlapping allocations"
+                live[address] = (n, si)
+            elif op == "free" and live:
+                address = sorted(live)[n % len(live)]
+                _, owner = live.pop(address)
+                pool.free(address, streams[owner if n % 2 else si])
+            elif op == "fence":
+                pool.fence(streams[si])
+            assert pool.demand_bytes == sum(m for m, _ in live.values())
+            assert pool.allocated_bytes >= pool.demand_bytes
+        for address, (_, si) in live.items():
+            pool.free(address, streams[si])
+        pool.drain()
+        assert (pool.allocated_bytes, pool.demand_bytes) == (0, 0)
+        pool.trim_to(0)
+        assert pool.reserved_bytes == 0 and rt.allocated_bytes() == 0
+        rt.close()
