@@ -1,0 +1,9 @@
+"""StreamBox: serverless inference functions sharing one GPU runtime through streams.
+
+The function SDK is importable from here without loading torch or any device library:
+`streambox.function`, `streambox.FunctionMeta`, `streambox.Context`, `streambox.Handle`.
+"""
+
+from streambox.sdk import Context, FunctionMeta, Future, Handle, function, meta_of
+
+__all__ = ["Context", "FunctionMeta", "Future", "Handle", "function", "meta_of"]

@@ -1,0 +1,107 @@
+"""Device-tensor handles as function processes see them, and the rules for keys.
+
+A `Handle` names a buffer in the device memory of one workflow's proxy: the workflow, the device
+address, the dtype, shape, strides (in elements) and size in bytes. It is a plain named tuple, so
+msgpack packs it as an array and it travels through the forwarding channel (and through a workflow's
+JSON events, if a handler chooses to) unchanged. Function processes never dereference it; the proxy
+checks every handle it receives against its own table of live buffers.
+
+Keys: `ctx.key(name)` gives the request-scoped key `"<workflow>/<request id>/<name>"`; a bare name
+without a slash is qualified to `"<workflow>/<name>"` (workflow-wide). A key is accepted by a proxy
+only if it starts with that proxy's `"<workflow>/"`.
+
+Torch-free: importing this module (function side) must not import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from .errors import IsolationError
+
+#: dtype names a handle may carry (torch's names without the `torch.` prefix).
+DTYPES: dict[str, int] = {
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+class Handle(NamedTuple):
+    """An opaque handle to a tensor in one workflow's device memory."""
+
+    workflow: str
+    address: int
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Handle:
+        """A handle from its msgpack form (a 6-array); raises `TypeError` naming what is wrong."""
+        if isinstance(obj, Handle):
+            return obj
+        if not isinstance(obj, list | tuple) or len(obj) != 6:
+            raise TypeError(f"expected a device-tensor handle (6 fields), got {obj!r:.120}")
+        workflow, address, dtype, shape, strides, nbytes = obj
+        if not isinstance(workflow, str) or not isinstance(address, int) or not isinstance(nbytes, int):
+            raise TypeError(f"malformed handle {obj!r:.120}")
+        if dtype not in DTYPES:
+            raise TypeError(f"handle dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        if not isinstance(shape, list | tuple) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise TypeError(f"malformed handle shape {shape!r}")
+        if not isinstance(strides, list | tuple) or len(strides) != len(shape):
+            raise TypeError(f"handle strides {strides!r} do not fit shape {shape!r}")
+        return cls(workflow, address, dtype, tuple(shape), tuple(int(s) for s in strides), nbytes)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def request_key(workflow: str, request_id: str, name: str) -> str:
+    """The request-scoped key of `name`: `<workflow>/<request id>/<name>`."""
+    if not name:
+        raise ValueError("a key name must not be empty")
+    return f"{workflow}/{request_id}/{name}"
+
+
+def qualify_key(workflow: str, key: str) -> str:
+    """A bare name becomes workflow-wide (`<workflow>/<name>`); a key with a slash is kept as is."""
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"a key must be a non-empty string, got {key!r}")
+    return key if "/" in key else f"{workflow}/{key}"
+
+
+def check_key(workflow: str, key: Any) -> str:
+    """`key` if it belongs to `workflow`, else `IsolationError` saying whose it is."""
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"a key must be a non-empty string, got {key!r}")
+    if not key.startswith(f"{workflow}/"):
+        owner = key.split("/", 1)[0] if "/" in key else "?"
+        raise IsolationError(
+            f"key {key!r} belongs to workflow {owner!r}; the proxy of workflow {workflow!r} only "
+            f"serves keys starting with {workflow + '/'!r}"
+        )
+    return key
+
+
+def request_prefix(workflow: str, request_id: str) -> str:
+    return f"{workflow}/{request_id}/"

@@ -1,0 +1,249 @@
+"""`ProxyInvoker`: the workflow engine's `Invoker` over real API proxies (one process per workflow).
+
+- `deploy(spec)` turns the workflow spec into a `ProxyConfig` (handlers, models, batch sizes,
+  instance limits, timeouts; the YAML's folder on the template's `sys.path`) and starts the proxy if
+  the GPU has room for one more warm proxy without evicting another; otherwise at its first request.
+- `invoke` sends the call to the workflow's proxy (starting it if needed) and maps its errors to
+  the engine's: a handler that raised or an instance that died -> `InvocationError`, a timeout ->
+  `InvocationTimeout`.
+- Warm proxies follow `keepalive.WarmProxies`: at most `max_proxies_per_device` (3) per GPU, the
+  longest-idle one evicted first when another is needed, idle ones stopped after `keep_alive_s`.
+- `runtime_stats()` (the gateway's `/metrics` callback) returns what the proxies reported last; a
+  background task refreshes it every `stats_period_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from streambox.config import Config
+from streambox.workflows.invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
+from streambox.workflows.spec import WorkflowSpec
+
+from .control import AsyncProxyClient, ProxyProcess, launch_proxy
+from .errors import FunctionFailed, FunctionTimeout, ProxyError
+from .keepalive import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_PROXIES_PER_DEVICE, WarmProxies
+from .proxy_config import FunctionSpec, ProxyConfig
+
+#: Extra time the invoker waits for the proxy's answer beyond the invocation's own timeout.
+ANSWER_MARGIN_S = 30.0
+
+
+def proxy_config_for(spec: WorkflowSpec, config: Config, system: str, **options: Any) -> ProxyConfig:
+    """The proxy configuration of a workflow spec."""
+    functions = tuple(
+        FunctionSpec(
+            name=name,
+            handler=fn.handler,
+            models=tuple(fn.models),
+            batch=fn.batch_size,
+            max_instances=fn.max_instances,
+            timeout_s=(fn.timeout_ms or spec.timeout_ms) / 1e3,
+        )
+        for name, fn in spec.functions.items()
+    )
+    sys_path = (str(spec.base_dir.resolve()),) if spec.base_dir is not None else ()
+    return ProxyConfig(
+        workflow=spec.name,
+        functions=functions,
+        system=system,
+        sys_path=sys_path,
+        backend=config.backend,
+        device_preset=config.device_preset,
+        gpus=config.gpus,
+        state_dir=str(config.state_dir) if config.state_dir is not None else None,
+        model_pool=str(config.model_pool),
+        **options,
+    )
+
+
+@dataclass
+class _Deployed:
+    spec: WorkflowSpec
+    config: ProxyConfig
+    proxy: ProxyProcess | None = None
+    client: AsyncProxyClient | None = None
+    starting: asyncio.Future[None] | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class ProxyInvoker:
+    """Runs a workflow's functions in instances of its API proxy (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        system: str = "streambox",
+        max_proxies_per_device: int = DEFAULT_MAX_PROXIES_PER_DEVICE,
+        keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+        stats_period_s: float = 1.0,
+        proxy_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = config or Config.from_env()
+        self.system = system
+        self.proxy_options = dict(proxy_options or {})
+        self.proxy_options.setdefault("keep_alive_s", keep_alive_s)
+        self.warm = WarmProxies(self.config.gpus, max_proxies_per_device, keep_alive_s)
+        self.stats_period_s = stats_period_s
+        self._workflows: dict[str, _Deployed] = {}
+        self._housekeeping: asyncio.Task[None] | None = None
+        self.proxy_starts = 0
+
+    @classmethod
+    def factory(cls, **options: Any) -> Any:
+        """An `InvokerFactory` for `workflows.commands.serve`: `(config, system) -> ProxyInvoker`."""
+        return lambda config, system: cls(config, system=system, **options)
+
+    # -- Invoker ---------------------------------------------------------------------------------
+    async def deploy(self, spec: WorkflowSpec) -> None:
+        if spec.name in self._workflows:
+            return  # deploying again replaces nothing
+        config = proxy_config_for(spec, self.config, self.system, **self.proxy_options)
+        self._workflows[spec.name] = wf = _Deployed(spec, config)
+        self._ensure_housekeeping()
+        admission = self.warm.admit(spec.name, time.monotonic())
+        if not admission.evict and not admission.wait:
+            await self._start(wf)
+
+    async def invoke(
+        self,
+        workflow: str,
+        function: str,
+        event: dict[str, Any],
+        request_id: str,
+        *,
+        timeout_s: float | None = None,
+    ) -> InvocationResult:
+        started = time.perf_counter()
+        wf = self._workflows.get(workflow)
+        if wf is None:
+            raise KeyError(f"workflow {workflow!r} is not deployed; deployed: {', '.join(self._workflows)}")
+        fn_timeout = wf.config.function(function).timeout_s
+        limit = fn_timeout if timeout_s is None else min(fn_timeout, timeout_s)
+        proxy_cold = await self._ensure_proxy(wf)
+        assert wf.client is not None
+        self.warm.begin(workflow, time.monotonic())
+        try:
+            reply = await wf.client.invoke(function, event, request_id, timeout_s=limit)
+        except FunctionTimeout as exc:
+            raise InvocationTimeout(f"{function} ran past {limit:.3f} s: {exc}") from None
+        except TimeoutError:
+            if wf.proxy is not None and not wf.proxy.alive:
+                raise InvocationError(function, "ProxyError", f"the proxy of {workflow!r} exited") from None
+            raise InvocationTimeout(f"{function}: no answer from the proxy of {workflow!r}") from None
+        except FunctionFailed as exc:  # "<type>: <message> (function ..., request ...)\n<traceback>"
+            first, _, tb = str(exc).partition("\n")
+            kind, _, message = first.partition(": ")
+            raise InvocationError(function, kind, message, tb or None) from None
+        except ProxyError as exc:
+            raise InvocationError(function, type(exc).__name__, str(exc)) from None
+        finally:
+            if workflow in self._workflows and workflow in self.warm.warm():
+                self.warm.end(workflow, time.monotonic())
+        return InvocationResult(
+            reply["output"], bool(reply["cold_start"]) or proxy_cold, time.perf_counter() - started
+        )
+
+    async def end_request(self, workflow: str, request_id: str) -> None:
+        wf = self._workflows.get(workflow)
+        if wf is not None and wf.client is not None:
+            with contextlib.suppress(Exception):
+                await wf.client.end_request(request_id)
+
+    async def close(self) -> None:
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            with contextlib.suppress(BaseException):
+                await self._housekeeping
+        await asyncio.gather(*(self._stop(wf) for wf in self._workflows.values()))
+        self._workflows.clear()
+
+    # -- stats -----------------------------------------------------------------------------------
+    def runtime_stats(self) -> Iterator[RuntimeStats]:
+        """Per warm proxy: device memory, its pool, live instances (as last reported)."""
+        for name, wf in self._workflows.items():
+            s = wf.stats
+            if wf.proxy is None or not s:
+                continue
+            device, pool = s["device"], s["pool"]
+            yield RuntimeStats(
+                workflow=name,
+                device=device["index"],
+                memory_used_bytes=device["used_bytes"],
+                memory_total_bytes=device["total_bytes"],
+                pool_reserved_bytes=pool["reserved_bytes"],
+                pool_used_bytes=pool["allocated_bytes"],
+                instances={fn: v["instances"] for fn, v in s["functions"].items()},
+            )
+
+    async def refresh_stats(self) -> None:
+        for wf in list(self._workflows.values()):
+            if wf.client is not None:
+                with contextlib.suppress(Exception):
+                    wf.stats = await wf.client.stats()
+
+    # -- proxies ---------------------------------------------------------------------------------
+    async def _ensure_proxy(self, wf: _Deployed) -> bool:
+        """Make the workflow's proxy warm; True if it had to be started for this call."""
+        if wf.client is not None and wf.proxy is not None and wf.proxy.alive:
+            return False
+        if wf.starting is None and wf.proxy is not None:  # it died: forget it, start a new one
+            await self._stop(wf)
+        if wf.starting is not None:
+            await asyncio.shield(wf.starting)
+            return True
+        while True:
+            admission = self.warm.admit(wf.spec.name, time.monotonic())
+            if not admission.wait:
+                break
+            await asyncio.sleep(0.01)  # every proxy on that GPU is busy: wait for one to go idle
+        for victim in admission.evict:
+            await self._stop(self._workflows[victim])
+        await self._start(wf, admission.device)
+        return True
+
+    async def _start(self, wf: _Deployed, device: int | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        wf.starting = loop.create_future()
+        try:
+            admission = self.warm.admit(wf.spec.name, time.monotonic()) if device is None else None
+            index = device if device is not None else admission.device  # type: ignore[union-attr]
+            config = wf.config.with_overrides(device=index)
+            wf.proxy = await asyncio.to_thread(launch_proxy, config)
+            wf.client = AsyncProxyClient(wf.proxy.address)
+            self.warm.started(wf.spec.name, index, time.monotonic())
+            self.proxy_starts += 1
+            wf.starting.set_result(None)
+        except BaseException as exc:
+            wf.starting.set_exception(exc)
+            wf.starting.exception()  # retrieved: waiters re-raise it
+            raise
+        finally:
+            wf.starting = None
+
+    async def _stop(self, wf: _Deployed) -> None:
+        self.warm.remove(wf.spec.name)
+        client, proxy = wf.client, wf.proxy
+        wf.client = wf.proxy = None
+        wf.stats = {}
+        if client is not None:
+            client.close()
+        if proxy is not None:
+            await asyncio.to_thread(proxy.stop)
+
+    def _ensure_housekeeping(self) -> None:
+        if self._housekeeping is None or self._housekeeping.done():
+            self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
+
+    async def _housekeep(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_period_s)
+            for name in self.warm.expired(time.monotonic()):
+                await self._stop(self._workflows[name])
+            await self.refresh_stats()

@@ -1,0 +1,284 @@
+"""The warm template: a process that has imported everything a workflow's handlers need, and forks.
+
+The proxy starts one template per workflow (`python -c` of `main`, before the proxy creates its
+device runtime). The template imports torch, the SDK and every handler module, resolves the
+handlers, then freezes its heap (`gc.freeze`) and backs it with huge pages (`MADV_COLLAPSE` where
+the kernel has it: fork copies page tables, and torch's few hundred MB of heap in 4 KiB pages make a
+fork cost ~15 ms on a VM, ~3 ms in 2 MiB pages). It never creates a device context nor a zmq context.
+
+Instances are forks of the template, made two ways:
+
+- pre-forked spares (`prefork` > 0, the default): the template forks that many children ahead,
+  each past its copy-on-write warm-up and blocked on the proxy's assignment socket (a
+  SOCK_SEQPACKET pair: every datagram `[instance id, function, endpoint]` reaches exactly one
+  spare). Starting an instance then costs an assignment, a stream and a registration; the fork is
+  paid in the background (the zygote pattern: Android's USAP pool, gunicorn's preload + prefork).
+  The proxy counts the spares (`[SPARE, pid]` reports) and asks for a new one (`[SPARE]` on the
+  command pipe) once the instance that took one has answered its first request, so the fork does
+  not compete with that cold start for the CPU;
+- on demand (`prefork` = 0, or no spare ready): `[instance id, function, endpoint]` on the command
+  pipe.
+
+Either way the child closes the template's descriptors, asks to be killed with its parent
+(`PR_SET_PDEATHSIG`), connects the channel and registers with the proxy itself (HELLO). The
+template reports `[FORKED, instance id, pid]` / `[SPARE, pid]`, reaps its children and reports
+`[EXITED, pid, status]` on its event pipe.
+
+Frames on the pipes: a 4-byte little-endian length, then msgpack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import os
+import signal
+import socket
+import struct
+import sys
+import traceback
+from typing import Any
+
+import msgpack
+
+FORKED = "forked"
+EXITED = "exited"
+READY = "ready"
+FAILED = "failed"
+SPARE = "spare"
+
+_LEN = struct.Struct("<I")
+PR_SET_PDEATHSIG = 1
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
+HUGE = 2 << 20
+
+
+def write_frame(fd: int, obj: Any) -> None:
+    data = msgpack.packb(obj, use_bin_type=True)
+    frame = _LEN.pack(len(data)) + data
+    view = memoryview(frame)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def read_frame(fd: int) -> Any | None:
+    """One frame, or None at end of file."""
+    head = _read_exact(fd, _LEN.size)
+    if head is None:
+        return None
+    body = _read_exact(fd, _LEN.unpack(head)[0])
+    if body is None:
+        return None
+    return msgpack.unpackb(body, raw=False)
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    parts, left = [], n
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+_LIBC: list[Any] = []
+
+
+def _libc() -> Any:
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `signum` to this process when its parent exits (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        _libc().prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+
+def collapse_heap() -> int:
+    """Back this process's anonymous writable memory with huge pages; returns the bytes collapsed."""
+    try:
+        madvise = _libc().madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except (OSError, AttributeError):
+        return 0
+    done = 0
+    for line in lines:
+        fields = line.split()
+        perms, name = fields[1], fields[5] if len(fields) > 5 else ""
+        if not perms.startswith("rw") or (name and name != "[heap]"):
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        lo, hi = (lo + HUGE - 1) // HUGE * HUGE, hi // HUGE * HUGE
+        if hi <= lo:
+            continue
+        madvise(lo, hi - lo, MADV_HUGEPAGE)
+        if madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
+            done += hi - lo
+    return done
+
+
+def resolve_handler(spec: str) -> Any:
+    """`module:function` -> the function (imported now, in the template)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"handler {spec!r} is not of the form 'module:function'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"handler {spec!r} is not callable")
+    return obj
+
+
+def _setup_child(template_pid: int, close: list[int]) -> None:
+    for fd in close:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    die_with_parent()
+    if os.getppid() != template_pid:  # the template died meanwhile
+        os._exit(1)
+
+
+def _serve(instance_id: int, workflow: str, function: str, handler: Any, endpoint: dict[str, Any]) -> None:
+    from .channel import connect
+    from .client import serve
+
+    serve(connect(endpoint), instance_id=instance_id, workflow=workflow, function=function, handler=handler)
+
+
+def _exit_child(body: Any) -> None:
+    code = 0
+    try:
+        body()
+    except BaseException:  # noqa: BLE001 - an instance reports and exits; it never returns to the loop
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _spare_wait(assign: socket.socket) -> tuple[int, str, dict[str, Any]]:
+    """A pre-forked spare: wait for an assignment (one datagram)."""
+    data = assign.recv(1 << 16)
+    if not data:
+        os._exit(0)  # the proxy is gone
+    instance_id, function, endpoint = msgpack.unpackb(data, raw=False)
+    assign.close()
+    return instance_id, function, endpoint
+
+
+def _warm_up() -> None:
+    """Touch, in a new spare, what an instance touches on its first request (copy-on-write faults
+    paid ahead): the wire codec and the client's classes."""
+    from . import client, wire
+
+    wire.unpack(wire.pack([wire.CALL, 1, "noop", [[b"x", 1.0, None]]]))
+    client.Client.__init__  # noqa: B018
+
+
+def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
+    die_with_parent()
+    config = read_frame(cmd_fd)
+    if config is None:
+        return
+    workflow: str = config["workflow"]
+    try:
+        for path in config.get("sys_path", []):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        for module in config.get("preload", []):
+            importlib.import_module(module)
+        import streambox.sdk  # noqa: F401 - the SDK the handlers use
+
+        from . import channel, client  # noqa: F401 - imported once here, not in each instance
+
+        handlers = {name: resolve_handler(spec) for name, spec in config["functions"].items()}
+    except BaseException as exc:  # noqa: BLE001 - reported to the proxy, which fails its start
+        write_frame(evt_fd, [FAILED, "".join(traceback.format_exception(exc))])
+        return
+    assign = socket.socket(fileno=assign_fd) if assign_fd >= 0 else None
+    gc.collect()
+    gc.freeze()
+    collapsed = collapse_heap() if config.get("huge_pages", True) else 0
+    me = os.getpid()
+
+    def reap(signum: int, frame: Any) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            write_frame(evt_fd, [EXITED, pid, status])
+
+    def fork_spare() -> None:
+        assert assign is not None
+        pid = os.fork()
+        if pid == 0:
+            _setup_child(me, [cmd_fd, evt_fd])
+            _warm_up()
+
+            def body() -> None:
+                instance_id, function, endpoint = _spare_wait(assign)
+                _serve(instance_id, workflow, function, handlers[function], endpoint)
+
+            _exit_child(body)
+        write_frame(evt_fd, [SPARE, pid])
+
+    def fork_instance(instance_id: int, function: str, endpoint: dict[str, Any]) -> None:
+        pid = os.fork()
+        if pid == 0:
+            _setup_child(me, [cmd_fd, evt_fd] + ([assign.fileno()] if assign else []))
+            _exit_child(lambda: _serve(instance_id, workflow, function, handlers[function], endpoint))
+        write_frame(evt_fd, [FORKED, instance_id, pid])
+
+    signal.signal(signal.SIGCHLD, reap)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when the template ends
+    spares = int(config.get("prefork", 0)) if assign is not None else 0
+    with _sigchld_blocked():
+        for _ in range(spares):
+            fork_spare()
+    write_frame(evt_fd, [READY, me, collapsed])
+    while True:
+        request = read_frame(cmd_fd)
+        if request is None:  # the proxy closed the pipe: done
+            return
+        with _sigchld_blocked():
+            if request == [SPARE]:
+                if assign is not None:
+                    fork_spare()
+            else:
+                fork_instance(*request)
+
+
+@contextlib.contextmanager
+def _sigchld_blocked() -> Any:
+    """Fork and report the child before any exit report of it can be written."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+
+
+#: The command the proxy runs (from a neutral working directory, so nothing shadows the package).
+LAUNCH = (
+    "import sys; from streambox.api_proxy.template import main; "
+    "main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
+)

@@ -1,0 +1,50 @@
+"""Messages of the forwarding channel: msgpack arrays, never pickles.
+
+Function -> proxy:
+    [CALL, call_id, op, args]              a forwarded call; every call gets one REPLY
+    [RESULT, invocation_id, ok, value]     the handler's JSON-able output, or [type, message]
+    [HELLO, instance_id, pid]              registration of a new instance
+Proxy -> function:
+    [REPLY, call_id, ok, value]            value, or [type, message] (see `errors.encode_error`)
+    [INVOKE, invocation_id, request_id, event]
+    [STOP]                                 the instance exits (keep-alive expiry, scale to zero)
+
+Handles travel as 6-arrays (`handles.Handle`), tensor bytes as msgpack bin.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import msgpack
+
+CALL = 1
+REPLY = 2
+INVOKE = 3
+RESULT = 4
+HELLO = 5
+STOP = 6
+
+KINDS = {CALL: "CALL", REPLY: "REPLY", INVOKE: "INVOKE", RESULT: "RESULT", HELLO: "HELLO", STOP: "STOP"}
+
+
+_local = threading.local()
+
+
+def pack(message: Any) -> bytes:
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(message)
+
+
+def unpack(data: bytes | memoryview) -> Any:
+    """One message. Maps may have non-string keys; no extension types are accepted."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def message_kind(message: Any) -> int:
+    if not isinstance(message, list) or not message or message[0] not in KINDS:
+        raise ValueError(f"malformed channel message: {message!r:.120}")
+    return message[0]

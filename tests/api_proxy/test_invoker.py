@@ -1,0 +1,81 @@
+"""`ProxyInvoker` under the workflow engine: real proxies, the warm-proxy limit, error mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+from streambox.api_proxy.invoker import ProxyInvoker
+from streambox.config import Config
+from streambox.workflows import Engine, parse_spec
+
+HANDLERS = textwrap.dedent(
+    """
+    import torch
+    import streambox
+
+    @streambox.function
+    def make(ctx, event):
+        h = ctx.upload(torch.arange(6, dtype=torch.float32) * event.get("scale", 1))
+        ctx.put(ctx.key("x"), h, consumers=1)
+        return {"key": ctx.key("x")}
+
+    @streambox.function
+    def total(ctx, event):
+        return {"sum": float(ctx.download(ctx.get(event["key"])).sum())}
+
+    @streambox.function
+    def fail(ctx, event):
+        raise RuntimeError("no luck")
+    """
+)
+
+
+def _spec(name: str, tmp_path, fail: bool = False):
+    text = textwrap.dedent(
+        f"""
+        name: {name}
+        slo_ms: 1000
+        functions:
+          make: {{handler: "invoker_test_handlers:make"}}
+          total: {{handler: "invoker_test_handlers:{"fail" if fail else "total"}"}}
+        edges:
+          - {{from: make, to: total}}
+        """
+    )
+    return parse_spec(text, f"{name}.yaml", base_dir=tmp_path)
+
+
+def test_engine_runs_workflows_through_proxies_with_at_most_one_warm_per_gpu(tmp_path):
+    (tmp_path / "invoker_test_handlers.py").write_text(HANDLERS)
+    config = Config.from_env().with_overrides(state_dir=tmp_path / "state")
+
+    async def scenario() -> None:
+        invoker = ProxyInvoker(config, max_proxies_per_device=1, proxy_options={"prefork": 1})
+        engine = Engine(invoker)
+        try:
+            await engine.deploy(_spec("one", tmp_path))
+            await engine.deploy(_spec("two", tmp_path, fail=True))
+            first = await engine.run("one", {"scale": 2})
+            assert first.ok, first.error
+            assert first.output == {"sum": 30.0}
+            assert first.cold_starts == 2  # both instances were started for it
+            again = await engine.run("one", {"scale": 1})
+            assert again.ok and again.output == {"sum": 15.0} and again.cold_starts == 0
+            assert invoker.warm.warm() == ["one"]
+
+            failed = await engine.run("two", {})  # the GPU's one slot: `one` is evicted
+            assert invoker.warm.warm() == ["two"]
+            assert failed.status == "error" and failed.failed_call == "total"
+            assert "RuntimeError: no luck" in failed.error
+
+            back = await engine.run("one", {"scale": 1})
+            assert back.ok and back.cold_starts == 2  # a fresh proxy
+            assert invoker.proxy_starts == 3
+            await invoker.refresh_stats()
+            (stats,) = list(invoker.runtime_stats())
+            assert stats.workflow == "one" and stats.memory_total_bytes > 0
+        finally:
+            await engine.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,112 @@
+"""Keep-alive and warm limits: pure policies, exact expectations."""
+
+from __future__ import annotations
+
+import pytest
+
+from streambox.api_proxy.keepalive import Acquire, Admission, InstancePool, WarmProxies
+
+
+def test_first_request_starts_an_instance_then_reuses_it_warm():
+    pool = InstancePool(max_instances=2, keep_alive_s=10)
+    assert pool.acquire(0.0) == Acquire("start")
+    pool.add("a", 0.0)
+    pool.release("a", 1.0)
+    assert pool.acquire(2.0) == Acquire("warm", "a")
+    assert pool.busy == ["a"]
+
+
+def test_concurrent_requests_start_up_to_the_limit_then_queue():
+    pool = InstancePool(max_instances=2, keep_alive_s=10)
+    assert pool.acquire(0.0).action == "start"
+    pool.add("a", 0.0)
+    assert pool.acquire(0.0).action == "start"
+    pool.add("b", 0.0)
+    assert pool.acquire(0.0) == Acquire("queue")
+    with pytest.raises(RuntimeError, match="full"):
+        pool.add("c", 0.0)
+
+
+def test_most_recently_used_idle_instance_is_taken_so_the_others_expire():
+    pool = InstancePool(max_instances=3, keep_alive_s=10)
+    for name, t in (("a", 0.0), ("b", 0.0), ("c", 0.0)):
+        pool.add(name, t)
+    pool.release("a", 1.0)
+    pool.release("b", 3.0)
+    pool.release("c", 2.0)
+    assert pool.acquire(4.0) == Acquire("warm", "b")
+    pool.release("b", 5.0)
+    # a idle since 1, c since 2, b since 5: at t=12.5 a and c have expired (oldest first), b has not
+    assert pool.expired(12.5) == ["a", "c"]
+    assert pool.next_expiry() == 11.0
+
+
+def test_scale_to_zero_after_keep_alive():
+    pool = InstancePool(max_instances=2, keep_alive_s=600)
+    pool.add("a", 0.0)
+    pool.release("a", 10.0)
+    assert pool.expired(609.9) == []
+    assert pool.expired(610.0) == ["a"]
+    pool.remove("a")
+    assert len(pool) == 0
+    assert pool.acquire(611.0) == Acquire("start")
+
+
+def test_a_busy_instance_never_expires():
+    pool = InstancePool(max_instances=1, keep_alive_s=1)
+    pool.add("a", 0.0)
+    assert pool.expired(100.0) == []
+    assert pool.next_expiry() is None
+
+
+def test_pool_arguments_are_checked():
+    with pytest.raises(ValueError):
+        InstancePool(max_instances=0)
+    with pytest.raises(ValueError):
+        InstancePool(max_instances=1, keep_alive_s=-1)
+
+
+def test_at_most_three_proxies_per_gpu_longest_idle_evicted_first():
+    warm = WarmProxies(devices=1, max_per_device=3, keep_alive_s=600)
+    for i, name in enumerate(("a", "b", "c")):
+        assert warm.admit(name, float(i)) == Admission(0)
+        warm.started(name, 0, float(i))
+    warm.begin("a", 10.0)
+    warm.end("a", 11.0)  # a was used last
+    warm.begin("b", 5.0)
+    warm.end("b", 6.0)
+    # c idle since 2, b since 6, a since 11: c goes
+    assert warm.admit("d", 12.0) == Admission(0, evict=("c",))
+    assert warm.admit("a", 12.0) == Admission(0)  # warm already: nothing to do
+
+
+def test_busy_proxies_are_not_evicted_the_caller_waits():
+    warm = WarmProxies(devices=1, max_per_device=2)
+    for name in ("a", "b"):
+        warm.started(name, 0, 0.0)
+        warm.begin(name, 1.0)
+    assert warm.admit("c", 2.0) == Admission(0, wait=True)
+    warm.end("b", 3.0)
+    assert warm.admit("c", 4.0) == Admission(0, evict=("b",))
+
+
+def test_new_proxies_go_to_the_least_loaded_gpu():
+    warm = WarmProxies(devices=2, max_per_device=3)
+    assert warm.admit("a", 0.0).device == 0
+    warm.started("a", 0, 0.0)
+    assert warm.admit("b", 0.0).device == 1
+    warm.started("b", 1, 0.0)
+    assert warm.admit("c", 0.0).device == 0
+    with pytest.raises(RuntimeError):
+        for name in ("x", "y", "z"):
+            warm.started(name, 0, 0.0)
+
+
+def test_idle_proxies_expire_after_keep_alive():
+    warm = WarmProxies(devices=1, max_per_device=3, keep_alive_s=600)
+    warm.started("a", 0, 0.0)
+    warm.started("b", 0, 100.0)
+    warm.begin("b", 100.0)
+    assert warm.expired(700.0) == ["a"]
+    warm.remove("a")
+    assert warm.warm() == ["b"]

@@ -1,0 +1,302 @@
+"""The API proxy end to end, with real processes: a proxy per workflow, instances forked from its
+warm template, calls forwarded over the channel. Two proxies are shared by the whole module:
+
+- `wfa`: shared-memory channel, event-polling completion, pre-forked spares;
+- `wfb`: zmq channel, blocking stream-sync completion, fork on demand, 0.5 s keep-alive.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import textwrap
+import time
+
+import pytest
+import torch
+
+from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy
+from streambox.api_proxy.errors import FunctionCrashed, FunctionFailed, FunctionTimeout, UnknownFunction
+from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+
+HANDLERS = textwrap.dedent(
+    """
+    import os, signal, time
+    import torch
+    import streambox
+    from streambox import Handle
+
+    def _input(seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(1, 3, 32, 32, generator=g)
+
+    @streambox.function
+    def noop(ctx, event):
+        return {"pid": os.getpid(), "instance": ctx.instance_id, "request": ctx.request_id}
+
+    @streambox.function
+    def sleepy(ctx, event):
+        time.sleep(event["s"])
+        return {"instance": ctx.instance_id}
+
+    @streambox.function(models=["resnet18"])
+    def classify(ctx, event):
+        x = ctx.upload(_input(event["seed"]))
+        (logits,) = ctx.infer("resnet18", x)
+        if event.get("put"):
+            ctx.put(ctx.key("logits"), logits, consumers=event.get("consumers"))
+        return {"logits": ctx.download(logits).flatten().tolist(), "handle": list(logits)}
+
+    @streambox.function(models=["resnet18"])
+    def consume(ctx, event):
+        h = ctx.get(ctx.key("logits"), timeout=event.get("timeout", 10.0))
+        return {"logits": ctx.download(h).flatten().tolist(), "handle": list(h)}
+
+    @streambox.function(models=["resnet18"])
+    def by_kernels(ctx, event):
+        plan = ctx.plan("resnet18")
+        bound = {plan["inputs"][0]: ctx.upload(_input(event["seed"]))}
+        for name, var in plan["variables"].items():
+            if var["kind"] in ("intermediate", "output"):
+                raw = ctx.alloc(var["nbytes"])
+                bound[name] = Handle(raw.workflow, raw.address, var["dtype"], tuple(var["shape"]),
+                                     tuple(var["strides"]), var["nbytes"])
+        launched = 0
+        for index, kernel in enumerate(plan["kernels"]):
+            if kernel["kind"] != "view":
+                ctx.launch("resnet18", index, {n: bound[n] for n in kernel["accesses"] if n in bound})
+                launched += 1
+        ctx.synchronize()
+        out = bound[plan["outputs"][0]]
+        copy = ctx.alloc(out.nbytes)
+        ctx.memcpy(copy, out)
+        copy = Handle(copy.workflow, copy.address, out.dtype, out.shape, out.strides, out.nbytes)
+        return {"logits": ctx.download(copy).flatten().tolist(), "launched": launched}
+
+    @streambox.function
+    def boom(ctx, event):
+        ctx.alloc(1 << 20)
+        raise ValueError("boom: " + event.get("msg", ""))
+
+    @streambox.function
+    def crash(ctx, event):
+        ctx.alloc(1 << 20)
+        os._exit(3)
+
+    @streambox.function
+    def sigkill(ctx, event):
+        ctx.alloc(1 << 20)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    @streambox.function
+    def hang(ctx, event):
+        ctx.alloc(1 << 20)
+        time.sleep(3600)
+
+    @streambox.function
+    def foreign(ctx, event):
+        out = {}
+        for what, call in (
+            ("handle", lambda: ctx.download(Handle.from_wire(event["handle"]))),
+            ("key", lambda: ctx.get(event["key"], timeout=0.5)),
+            ("forged", lambda: ctx.download(Handle(ctx.workflow, 0x1234_0000, "float32", (4,), (1,), 16))),
+        ):
+            try:
+                call()
+                out[what] = "accepted"
+            except Exception as exc:
+                out[what] = [type(exc).__name__, str(exc)]
+        return out
+
+    @streambox.function(models=["resnet18"])
+    def reput(ctx, event):
+        h = ctx.get(ctx.key("logits"))
+        try:
+            ctx.put(ctx.key("again"), h).result()
+            return "accepted"
+        except Exception as exc:
+            return [type(exc).__name__, str(exc)]
+
+    @streambox.function
+    def not_json(ctx, event):
+        return {"x": object()}
+    """
+)
+
+FUNCTIONS = (
+    FunctionSpec("noop", "proxy_test_handlers:noop"),
+    FunctionSpec("sleepy", "proxy_test_handlers:sleepy", max_instances=3),
+    FunctionSpec("classify", "proxy_test_handlers:classify", models=("resnet18",)),
+    FunctionSpec("consume", "proxy_test_handlers:consume", models=("resnet18",), max_instances=2),
+    FunctionSpec("by_kernels", "proxy_test_handlers:by_kernels", models=("resnet18",)),
+    FunctionSpec("boom", "proxy_test_handlers:boom"),
+    FunctionSpec("crash", "proxy_test_handlers:crash"),
+    FunctionSpec("sigkill", "proxy_test_handlers:sigkill"),
+    FunctionSpec("hang", "proxy_test_handlers:hang", timeout_s=1.5),
+    FunctionSpec("foreign", "proxy_test_handlers:foreign"),
+    FunctionSpec("not_json", "proxy_test_handlers:not_json"),
+    FunctionSpec("reput", "proxy_test_handlers:reput", models=("resnet18",)),
+)
+
+
+@pytest.fixture(scope="module")
+def proxies(tmp_path_factory):
+    root = tmp_path_factory.mktemp("proxy_e2e")
+    (root / "proxy_test_handlers.py").write_text(HANDLERS)
+    common = {"functions": FUNCTIONS, "sys_path": (str(root),), "state_dir": str(root / "state")}
+    configs = [
+        ProxyConfig(workflow="wfa", channel="shm", completion="poll", prefork=2, **common),
+        ProxyConfig(workflow="wfb", channel="zmq", completion="sync", prefork=0, keep_alive_s=0.5, **common),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        started = list(pool.map(launch_proxy, configs))
+    yield dict(zip(("a", "b"), started, strict=True))
+    for proxy in started:
+        proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def a(proxies) -> ProxyProcess:
+    return proxies["a"]
+
+
+@pytest.fixture(scope="module")
+def b(proxies) -> ProxyProcess:
+    return proxies["b"]
+
+
+def _eager_logits(zoo_model, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        return zoo_model("resnet18")(torch.randn(1, 3, 32, 32, generator=g)).flatten()
+
+
+def _settled(client: ProxyClient, predicate, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        if predicate(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_cold_then_warm_instance(proxies, side):
+    client = proxies[side].client
+    first = client.invoke("noop", {}, request_id="r-cold")
+    second = client.invoke("noop", {}, request_id="r-warm")
+    assert first["cold_start"] is True and second["cold_start"] is False
+    assert first["output"]["pid"] == second["output"]["pid"]  # the same warm instance
+    assert second["output"]["request"] == "r-warm"
+    assert first["start_s"] > 0 and second["start_s"] == 0
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_infer_matches_eager_torch_and_get_is_zero_copy(proxies, side, zoo_model):
+    client = proxies[side].client
+    want = _eager_logits(zoo_model, seed=7)
+    produced = client.invoke("classify", {"seed": 7, "put": True, "consumers": 1}, request_id="rq")
+    consumed = client.invoke("consume", {}, request_id="rq")["output"]
+    torch.testing.assert_close(torch.tensor(produced["output"]["logits"]), want, rtol=1e-4, atol=1e-5)
+    assert consumed["logits"] == produced["output"]["logits"]
+    assert consumed["handle"][1] == produced["output"]["handle"][1]  # same device address: no copy
+    # consumers=1: the key is gone after its one GET
+    with pytest.raises(FunctionFailed, match="KeyNotFound"):
+        client.invoke("consume", {"timeout": 0.2}, request_id="rq")
+
+
+def test_end_request_drops_the_request_keys(a):
+    a.client.invoke("classify", {"seed": 1, "put": True}, request_id="r-end")
+    assert a.client.stats()["keys"] >= 1
+    assert a.client.end_request("r-end") == 1
+    with pytest.raises(FunctionFailed, match="KeyNotFound"):
+        a.client.invoke("consume", {"timeout": 0.2}, request_id="r-end")
+
+
+def test_a_value_of_the_store_cannot_be_put_again_without_a_copy(a):
+    a.client.invoke("classify", {"seed": 4, "put": True}, request_id="r-reput")
+    kind, message = a.client.invoke("reput", {}, request_id="r-reput")["output"]
+    assert kind == "ProxyError" and "already belongs to the communication store" in message
+    a.client.end_request("r-reput")
+
+
+def test_get_waits_for_a_put_that_comes_later(a):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            lambda: ProxyClient(a.address).invoke("consume", {"timeout": 20.0}, request_id="r-later")
+        )
+        time.sleep(0.5)
+        a.client.invoke("classify", {"seed": 3, "put": True, "consumers": 1}, request_id="r-later")
+        assert len(waiting.result(timeout=60)["output"]["logits"]) == 1000
+
+
+def test_low_level_calls_reproduce_infer(a, zoo_model):
+    out = a.client.invoke("by_kernels", {"seed": 11}, request_id="r-ll")["output"]
+    assert out["launched"] > 10
+    torch.testing.assert_close(
+        torch.tensor(out["logits"]), _eager_logits(zoo_model, 11), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_several_instances_of_a_function_run_at_once_on_their_own_streams(a):
+    client_a = a.client
+    client_a.invoke("sleepy", {"s": 0.0}, request_id="warm")
+    clients = [ProxyClient(a.address) for _ in range(3)]
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda c: c.invoke("sleepy", {"s": 1.0}, request_id="par"), clients))
+    elapsed = time.perf_counter() - started
+    for c in clients:
+        c.close()
+    assert len({r["output"]["instance"] for r in results}) == 3
+    assert elapsed < 2.5, f"3 x 1 s handlers took {elapsed:.2f} s: they did not run concurrently"
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_a_failing_handler_fails_only_its_request(proxies, side):
+    client = proxies[side].client
+    baseline = client.stats()
+    with pytest.raises(FunctionFailed, match="ValueError: boom: x"):
+        client.invoke("boom", {"msg": "x"}, request_id="r-boom")
+    with pytest.raises(FunctionFailed, match="not JSON-able"):
+        client.invoke("not_json", {}, request_id="r-json")
+    for name, match in (("crash", "exited with code 3"), ("sigkill", "SIGKILL")):
+        with pytest.raises(FunctionCrashed, match=match):
+            client.invoke(name, {}, request_id=f"r-{name}")
+    with pytest.raises(FunctionTimeout, match="timed out after 1.5 s"):
+        client.invoke("hang", {}, request_id="r-hang")
+    assert client.invoke("noop", {}, request_id="r-after")["output"]["request"] == "r-after"
+    stats = _settled(client, lambda s: s["buffers"] == 0 and s["instances_died"] >= 3)
+    assert stats["buffers"] == 0 and stats["buffer_bytes"] == 0  # the failed requests' buffers are freed
+    assert stats["instances_died"] - baseline["instances_died"] == 3
+    assert stats["failures"] - baseline["failures"] == 5
+    assert stats["functions"]["hang"]["instances"] == 0
+
+
+def test_isolation_between_workflows(a, b):
+    theirs = b.client.invoke("classify", {"seed": 2, "put": True}, request_id="rb")["output"]
+    assert theirs["handle"][0] == "wfb"
+    out = a.client.invoke("foreign", {"handle": theirs["handle"], "key": "wfb/rb/logits"}, request_id="ra")
+    verdict = out["output"]
+    assert verdict["handle"][0] == "IsolationError" and "belongs to workflow 'wfb'" in verdict["handle"][1]
+    assert verdict["key"][0] == "IsolationError" and "wfb" in verdict["key"][1]
+    assert verdict["forged"][0] == "UnknownHandle" and "no live buffer" in verdict["forged"][1]
+    b.client.end_request("rb")
+
+
+def test_unknown_function_is_refused_with_the_known_ones(a):
+    with pytest.raises(UnknownFunction, match="its functions: noop"):
+        a.client.invoke("nope", {})
+
+
+def test_idle_instances_scale_to_zero_after_keep_alive(b):
+    b.client.invoke("noop", {}, request_id="r-ka")
+    stats = _settled(b.client, lambda s: all(f["instances"] == 0 for f in s["functions"].values()), 10.0)
+    assert all(f["instances"] == 0 for f in stats["functions"].values())
+    assert stats["instances_stopped"] >= 1
+    assert b.client.invoke("noop", {}, request_id="r-ka2")["cold_start"] is True
+
+
+def test_proxy_directory_is_owner_only(a):
+    assert oct(a.directory.stat().st_mode & 0o777) == "0o700"
+    for entry in a.directory.iterdir():
+        assert entry.stat().st_mode & 0o077 == 0, f"{entry.name} is open to other users"

@@ -1,0 +1,229 @@
+"""Workflow YAML validation: every mistake named by file, line, column and field, all at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streambox.workflows.examples import EXAMPLES, SMALL_PARAMS, example_path, load_example
+from streambox.workflows.spec import WorkflowSpec
+from streambox.workflows.validation import WorkflowValidationError, parse_spec, validate_file
+
+HERE = Path(__file__).parent
+ZOO_NAMES = (
+    "alexnet, espcn, mobilenet_v3_small, resnet18, resnet50, ssdlite320_mobilenet_v3, text_encoder, vgg16"
+)
+
+
+def errors(text: str) -> list[str]:
+    with pytest.raises(WorkflowValidationError) as info:
+        parse_spec(text, "demo.yaml", HERE)
+    lines = str(info.value).splitlines()
+    assert len(lines) == len(info.value.issues)
+    return lines
+
+
+def test_a_minimal_workflow_gets_the_defaults():
+    spec = parse_spec(
+        "name: demo\nslo_ms: 50\nfunctions:\n  a: {handler: wf_test_handlers:echo}\n", "d.yaml", HERE
+    )
+    fn = spec.functions["a"]
+    assert (spec.timeout_ms, spec.edges, spec.output, spec.base_dir) == (30_000.0, [], None, HERE)
+    assert (fn.models, fn.batch_size, fn.max_instances, fn.timeout_ms, fn.params) == ([], 1, 4, None, {})
+
+
+def test_unknown_key_suggests_the_right_one():
+    text = "name: demo\nslo_ms: 100\nfunctions:\n  a:\n    handler: wf_test_handlers:echo\n    batchsize: 2\n"
+    assert errors(text) == [
+        "demo.yaml:6:5: functions.a.batchsize: unknown key; did you mean 'batch_size'? "
+        "(allowed keys: handler, models, batch_size, max_instances, timeout_ms, params)"
+    ]
+
+
+def test_bad_types_are_all_reported_in_file_order():
+    text = (
+        "name: demo\n"
+        "slo_ms: fast\n"
+        "functions:\n"
+        '  a: {handler: wf_test_handlers:echo, max_instances: "4", models: resnet18}\n'
+    )
+    assert errors(text) == [
+        "demo.yaml:2:1: slo_ms: Input should be a valid number (got 'fast')",
+        "demo.yaml:4:39: functions.a.max_instances: Input should be a valid integer (got '4')",
+        "demo.yaml:4:59: functions.a.models: Input should be a valid list (got 'resnet18')",
+    ]
+
+
+def test_missing_keys_point_at_the_enclosing_mapping():
+    assert errors("name: demo\nfunctions:\n  a: {models: []}\n") == [
+        "demo.yaml:1:1: slo_ms: required key is missing",
+        "demo.yaml:3:3: functions.a.handler: required key is missing",
+    ]
+
+
+def test_names_must_be_url_and_label_safe():
+    text = "name: Demo App\nslo_ms: -1\nfunctions:\n  Detect: {handler: wf_test_handlers:echo}\n"
+    rule = "is not a valid name: lowercase letters, digits, '-' and '_', starting with a letter or digit"
+    assert errors(text) == [
+        f"demo.yaml:1:1: name: 'Demo App' {rule}",
+        "demo.yaml:2:1: slo_ms: Input should be greater than 0 (got -1)",
+        f"demo.yaml:4:3: functions.Detect: 'Detect' {rule}",
+    ]
+
+
+def test_cycle_is_named_at_the_edge_that_closes_it():
+    text = (
+        "name: demo\nslo_ms: 100\nfunctions:\n"
+        "  a: {handler: wf_test_handlers:echo}\n"
+        "  b: {handler: wf_test_handlers:echo}\n"
+        "  c: {handler: wf_test_handlers:echo}\n"
+        "edges:\n"
+        "  - {from: a, to: b}\n"
+        "  - {from: b, to: c}\n"
+        "  - {from: c, to: b}\n"
+    )
+    assert errors(text) == ["demo.yaml:10:5: edges[2]: edges form a cycle: b -> c -> b"]
+
+
+def test_edges_must_name_functions_and_joins_must_fan_in():
+    head = (
+        "name: demo\nslo_ms: 100\nfunctions:\n"
+        "  a: {handler: wf_test_handlers:echo}\n"
+        "  b: {handler: wf_test_handlers:echo}\n"
+        "  c: {handler: wf_test_handlers:echo}\n"
+        "edges:\n"
+    )
+    assert errors(head + "  - {from: a, to: x}\n  - {from: a, to: a}\n") == [
+        "demo.yaml:8:15: edges[0].to: unknown function 'x'; functions: a, b, c",
+        "demo.yaml:9:15: edges[1].to: edge from 'a' to itself",
+    ]
+    assert errors(head + "  - {from: a, to: c}\n  - {from: b, to: c}\n") == [
+        "demo.yaml:8:15: edges[0].to: function 'c' has 2 upstream functions (a, b): "
+        "a join must wait for all of them, set fan_in: true on its incoming edges"
+    ]
+    assert errors(head + "  - {from: a, to: c, fan_in: true}\n  - {from: b, to: c}\n") == [
+        "demo.yaml:9:5: edges[1].fan_in: function 'c' is fan-in on some incoming edges but not on this "
+        "one: set fan_in on all of them"
+    ]
+    assert errors(head + "  - {from: a, to: b}\n  - {from: a, to: b, fan_out: true}\n") == [
+        "demo.yaml:9:5: edges[1]: duplicate edge a -> b (first at edges[0])"
+    ]
+    assert errors(head.replace("slo_ms: 100", "slo_ms: 100\noutput: z") + "  - {from: a, to: b}\n") == [
+        "demo.yaml:3:1: output: unknown function 'z'; functions: a, b, c"
+    ]
+
+
+def test_handlers_must_import_and_take_ctx_and_event():
+    text = (
+        "name: demo\nslo_ms: 100\nfunctions:\n"
+        "  a: {handler: no_such_module:fn}\n"
+        "  b: {handler: wf_test_handlers:nope}\n"
+        "  c: {handler: wf_test_handlers:peaks}\n"
+        "  d: {handler: wf_test_handlers}\n"
+    )
+    assert errors(text) == [
+        "demo.yaml:7:7: functions.d.handler: 'wf_test_handlers' is not a handler reference of the form "
+        "module:function (e.g. my_handlers:detect)"
+    ]
+    lines = errors(text.replace("  d: {handler: wf_test_handlers}\n", ""))
+    assert lines[0] == (
+        "demo.yaml:4:7: functions.a.handler: cannot import module 'no_such_module': "
+        "No module named 'no_such_module'"
+    )
+    assert lines[1].startswith(
+        "demo.yaml:5:7: functions.b.handler: module 'wf_test_handlers' has no attribute 'nope'; "
+        "its functions: classify, consume, echo,"
+    )
+    assert (
+        lines[2] == "demo.yaml:6:7: functions.c.handler: 'wf_test_handlers:peaks' is a dict, not a function"
+    )
+
+
+def test_unknown_models_list_the_zoo():
+    text = "name: demo\nslo_ms: 100\nfunctions:\n  a:\n    handler: wf_test_handlers:echo\n"
+    assert errors(text + "    models: [resnet18, resnet19, resnet18]\n") == [
+        f"demo.yaml:6:24: functions.a.models[1]: unknown model 'resnet19'; known models: {ZOO_NAMES}",
+        "demo.yaml:6:34: functions.a.models[2]: model 'resnet18' is listed twice",
+    ]
+
+
+def test_yaml_mistakes_duplicate_keys_and_non_mappings():
+    assert errors("name: demo\nslo_ms: [100\nfunctions: {}\n") == [
+        "demo.yaml:3:10: invalid YAML: while parsing a flow sequence; expected ',' or ']', but got ':'"
+    ]
+    assert errors(
+        "name: demo\nslo_ms: 100\nslo_ms: 200\nfunctions: {a: {handler: wf_test_handlers:echo}}\n"
+    ) == ["demo.yaml:3:1: slo_ms: duplicate key"]
+    assert errors("- a\n- b\n") == [
+        "demo.yaml:1:1: a workflow is a YAML mapping with the keys name, description, slo_ms, timeout_ms, "
+        "output, functions, edges; found list"
+    ]
+    assert errors("") == [
+        "demo.yaml: a workflow is a YAML mapping with the keys name, description, slo_ms, timeout_ms, "
+        "output, functions, edges; found NoneType"
+    ]
+
+
+def test_validate_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: demo\nslo_ms: 100\nfunctions:\n  a: {handler: my_handlers:run, models: [gpt5]}\n")
+    (tmp_path / "my_handlers.py").write_text("def run(ctx, event):\n    return event\n")
+    with pytest.raises(WorkflowValidationError) as info:
+        validate_file(path)
+    assert str(info.value) == (
+        f"{path}:4:42: functions.a.models[0]: unknown model 'gpt5'; known models: {ZOO_NAMES}"
+    )
+    # Handlers beside the YAML file are importable: fix the model and the file validates.
+    path.write_text(path.read_text().replace("gpt5", "alexnet"))
+    assert validate_file(path).functions["a"].models == ["alexnet"]
+    with pytest.raises(WorkflowValidationError, match=r"nothing\.yaml: No such file or directory"):
+        validate_file(tmp_path / "nothing.yaml")
+
+
+def test_handler_signature_is_checked(tmp_path):
+    (tmp_path / "one_arg.py").write_text("def run(event):\n    return event\n")
+    text = "name: demo\nslo_ms: 100\nfunctions:\n  a: {handler: one_arg:run}\n"
+    with pytest.raises(WorkflowValidationError) as info:
+        parse_spec(text, "demo.yaml", tmp_path)
+    assert (
+        str(info.value)
+        == "demo.yaml:4:7: functions.a.handler: handler 'one_arg:run' must accept (ctx, event)"
+    )
+
+
+def test_models_declared_by_the_decorator_fill_or_must_match(tmp_path):
+    (tmp_path / "declared.py").write_text(
+        "import streambox\n\n"
+        "@streambox.function(models=['resnet18'])\ndef run(ctx, event):\n    return event\n"
+    )
+    text = "name: demo\nslo_ms: 100\nfunctions:\n  a: {handler: declared:run}\n"
+    assert parse_spec(text, "demo.yaml", tmp_path).functions["a"].models == ["resnet18"]
+    with pytest.raises(WorkflowValidationError) as info:
+        parse_spec(text.replace("}", ", models: [vgg16]}"), "demo.yaml", tmp_path)
+    assert str(info.value) == (
+        "demo.yaml:4:30: functions.a.models: the handler declares models ['resnet18'] "
+        "but the workflow lists ['vgg16']"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_the_bundled_workflows_validate(name):
+    spec = validate_file(example_path(name))
+    assert isinstance(spec, WorkflowSpec) and spec.name == name
+    assert spec.slo_ms == 200
+    small = load_example(name, small=True)
+    for function, params in SMALL_PARAMS[name].items():
+        assert small.functions[function].params == {**spec.functions[function].params, **params}
+    assert small.base_dir == spec.base_dir
+
+
+def test_the_bundled_graphs():
+    traffic = load_example("traffic").graph()
+    assert traffic.entries == ["detect"] and traffic.sinks == ["face", "car"]
+    assert traffic.runs_many() == {"detect": False, "face": True, "car": True}
+    social = load_example("social-media").graph()
+    assert social.entries == ["text", "vision"] and social.is_fan_in("aggregate")
+    assert social.runs_many() == {"text": False, "vision": False, "aggregate": False}
+    image = load_example("image-processing").graph()
+    assert image.topological_order() == ["recognize", "enhance"]

@@ -1,0 +1,427 @@
+"""Running one request of a workflow DAG through an `Invoker`.
+
+The engine invokes the entry functions with the request's event, follows the edges as outputs arrive
+(fan-out: one downstream invocation per list item; fan-in: one invocation once every upstream
+invocation has finished), and assembles the response's output (rules in `spec.py`). Data between
+functions travels as request-scoped keys that handlers put and get through their `ctx`; the events
+carry only the keys and small JSON values.
+
+Each invocation is recorded (latency as the invoker measured it, time queued behind the function's
+`max_instances`, cold start). A failing or timed-out invocation fails its request: the other
+invocations of that request are cancelled, its keys are dropped (`Invoker.end_request`) and the
+result says which function failed and why. Nothing a handler does can raise out of `Engine.run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .invoker import InvocationError, InvocationTimeout, Invoker
+from .spec import EdgeSpec, WorkflowGraph, WorkflowSpec
+
+log = logging.getLogger(__name__)
+
+Path = tuple[int, ...]  # positions in the fan-out lists on the way to an invocation
+
+OK, ERROR, TIMEOUT, CANCELLED = "ok", "error", "timeout", "cancelled"
+
+
+class UnknownWorkflow(KeyError):
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(name)
+        self.name = name
+        self.known = sorted(known)
+
+    def __str__(self) -> str:
+        return f"unknown workflow {self.name!r}; deployed: {', '.join(self.known) or 'none'}"
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def call_label(function: str, path: Path) -> str:
+    """`face[2]`: the third item of a fan-out; `report`: a function that runs once."""
+    return function + "".join(f"[{i}]" for i in path)
+
+
+@dataclass
+class CallRecord:
+    """One invocation of one function within a request."""
+
+    function: str
+    path: Path
+    status: str = "running"  # ok | error | timeout | cancelled
+    cold_start: bool = False
+    latency_s: float | None = None  # as the invoker measured it (cold start included)
+    queued_s: float = 0.0  # waiting for a free instance (max_instances)
+    wall_s: float = 0.0  # from being ready to run to its end, as the engine saw it
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return call_label(self.function, self.path)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "function": self.function,
+            "call": self.label,
+            "status": self.status,
+            "cold_start": self.cold_start,
+            "latency_ms": None if self.latency_s is None else round(self.latency_s * 1e3, 3),
+            "queued_ms": round(self.queued_s * 1e3, 3),
+            "wall_ms": round(self.wall_s * 1e3, 3),
+            **({"error": self.error} if self.error else {}),
+        }
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    workflow: str
+    status: str  # ok | error | timeout
+    output: Any
+    latency_s: float
+    slo_ms: float
+    calls: list[CallRecord] = field(default_factory=list)
+    error: str | None = None
+    failed_call: str | None = None
+    traceback: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @property
+    def cold_starts(self) -> int:
+        return sum(c.cold_start for c in self.calls)
+
+    @property
+    def slo_met(self) -> bool:
+        return self.ok and self.latency_s * 1e3 <= self.slo_ms
+
+    def breakdown(self) -> dict[str, dict[str, Any]]:
+        """Per function: invocations, cold starts, summed and slowest invoker latency."""
+        out: dict[str, dict[str, Any]] = {}
+        for call in self.calls:
+            row = out.setdefault(
+                call.function,
+                {"invocations": 0, "cold_starts": 0, "total_ms": 0.0, "max_ms": 0.0, "queued_ms": 0.0},
+            )
+            row["invocations"] += 1
+            row["cold_starts"] += call.cold_start
+            ms = (call.latency_s or 0.0) * 1e3
+            row["total_ms"] = round(row["total_ms"] + ms, 3)
+            row["max_ms"] = round(max(row["max_ms"], ms), 3)
+            row["queued_ms"] = round(row["queued_ms"] + call.queued_s * 1e3, 3)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "request_id": self.request_id,
+            "workflow": self.workflow,
+            "status": self.status,
+            "output": self.output,
+            "latency_ms": round(self.latency_s * 1e3, 3),
+            "slo_ms": self.slo_ms,
+            "slo_met": self.slo_met,
+            "cold_starts": self.cold_starts,
+            "breakdown": self.breakdown(),
+            "calls": [c.to_json() for c in self.calls],
+        }
+        if not self.ok:
+            body.update(error=self.error, failed_call=self.failed_call)
+            if self.traceback:
+                body["traceback"] = self.traceback
+        return body
+
+
+class _CallFailed(Exception):
+    def __init__(
+        self,
+        record: CallRecord,
+        message: str,
+        *,
+        timeout: bool = False,
+        deadline: bool = False,
+        tb: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.record = record
+        self.timeout = timeout or deadline
+        self.deadline = deadline  # the request's deadline passed (not the function's own limit)
+        self.traceback = tb
+
+
+@dataclass
+class _Deployed:
+    spec: WorkflowSpec
+    graph: WorkflowGraph
+    many: dict[str, bool]
+    order: dict[str, int]
+    slots: dict[str, asyncio.Semaphore]
+
+
+class _Run:
+    """The state of one request: in-flight invocations per function, what fan-ins collected."""
+
+    def __init__(self, engine: Engine, wf: _Deployed, request_id: str) -> None:
+        self.invoker = engine.invoker
+        self.wf = wf
+        self.request_id = request_id
+        self.inflight: dict[str, int] = defaultdict(int)
+        self.complete: set[str] = set()
+        self.fan_in_started: set[str] = set()
+        self.collected: dict[str, dict[str, list[tuple[Path, Any]]]] = defaultdict(lambda: defaultdict(list))
+        self.outputs: dict[str, list[tuple[Path, Any]]] = defaultdict(list)
+        self.calls: list[CallRecord] = []
+        self.deadline = 0.0
+        self._group: asyncio.TaskGroup | None = None
+
+    async def execute(self, event: dict[str, Any], timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self.deadline = time.perf_counter() + timeout_s
+        async with asyncio.timeout_at(loop.time() + timeout_s), asyncio.TaskGroup() as group:
+            self._group = group
+            for name in self.wf.graph.entries:
+                self._launch(name, event, ())
+
+    def _event(self, function: str, item: Any) -> dict[str, Any]:
+        event = dict(item) if isinstance(item, dict) else {"value": item}
+        params = self.wf.spec.functions[function].params
+        if params:
+            event["params"] = params
+        return event
+
+    def _launch(self, function: str, item: Any, path: Path) -> None:
+        assert self._group is not None
+        self.inflight[function] += 1
+        record = CallRecord(function, path)
+        self.calls.append(record)
+        self._group.create_task(self._call(record, self._event(function, item)))
+
+    async def _call(self, record: CallRecord, event: dict[str, Any]) -> None:
+        fn = self.wf.spec.functions[record.function]
+        started = time.perf_counter()
+        try:
+            async with self.wf.slots[record.function]:
+                record.queued_s = time.perf_counter() - started
+                remaining = max(self.deadline - time.perf_counter(), 0.0)
+                own = fn.timeout_ms / 1e3 if fn.timeout_ms is not None else None
+                limit = remaining if own is None else min(remaining, own)
+                try:
+                    async with asyncio.timeout(limit):
+                        result = await self.invoker.invoke(
+                            self.wf.spec.name, record.function, event, self.request_id, timeout_s=limit
+                        )
+                except TimeoutError as error:  # asyncio's or the invoker's InvocationTimeout
+                    record.status = TIMEOUT
+                    if own is None or remaining <= own:
+                        record.error = "the request's deadline passed"
+                        raise _CallFailed(record, record.error, deadline=True) from error
+                    record.error = f"timed out after {limit:.3f} s"
+                    raise _CallFailed(record, f"{record.label} {record.error}", timeout=True) from error
+        except asyncio.CancelledError:
+            record.status = CANCELLED
+            raise
+        except _CallFailed:
+            raise
+        except InvocationError as error:
+            record.status = ERROR
+            record.error = f"{error.error_type}: {error.message}"
+            message = f"{record.label} failed: {record.error}"
+            raise _CallFailed(record, message, tb=error.traceback) from error
+        except Exception as error:  # the invoker itself broke: still only this request fails
+            record.status = ERROR
+            record.error = f"{type(error).__name__}: {error}"
+            raise _CallFailed(record, f"{record.label} failed: {record.error}") from error
+        finally:
+            record.wall_s = time.perf_counter() - started
+        record.status = OK
+        record.cold_start = result.cold_start
+        record.latency_s = result.latency_s
+        self._deliver(record, result.output)
+        self.inflight[record.function] -= 1
+        self._settle(record.function)
+
+    def _deliver(self, record: CallRecord, output: Any) -> None:
+        self.outputs[record.function].append((record.path, output))
+        for edge in self.wf.graph.downstream[record.function]:
+            for path, item in self._items(record, edge, output):
+                if self.wf.graph.is_fan_in(edge.to):
+                    self.collected[edge.to][edge.source].append((path, item))
+                else:
+                    self._launch(edge.to, item, path)
+
+    def _items(self, record: CallRecord, edge: EdgeSpec, output: Any) -> list[tuple[Path, Any]]:
+        value = output
+        where = f"edge {edge.source} -> {edge.to}"
+        if edge.select is not None:
+            if not isinstance(output, dict) or edge.select not in output:
+                fields = sorted(output) if isinstance(output, dict) else type(output).__name__
+                record.status = ERROR
+                record.error = f"{where}: the output has no field {edge.select!r} (it has: {fields})"
+                raise _CallFailed(record, f"{record.label} failed: {record.error}")
+            value = output[edge.select]
+        if not edge.fan_out:
+            return [(record.path, value)]
+        if not isinstance(value, list):
+            record.status = ERROR
+            record.error = f"{where} fans out, but got a {type(value).__name__}, not a list"
+            raise _CallFailed(record, f"{record.label} failed: {record.error}")
+        return [((*record.path, i), item) for i, item in enumerate(value)]
+
+    def _settle(self, function: str) -> None:
+        """Mark `function` complete once nothing more can start it; start fan-ins that became ready."""
+        graph = self.wf.graph
+        if function in self.complete or self.inflight[function] > 0:
+            return
+        if any(e.source not in self.complete for e in graph.upstream[function]):
+            return
+        if graph.is_fan_in(function) and function not in self.fan_in_started:
+            self.fan_in_started.add(function)
+            inputs = {
+                e.source: [item for _, item in sorted(self.collected[function][e.source], key=_first)]
+                for e in graph.upstream[function]
+            }
+            self._launch(function, {"inputs": inputs}, ())
+            return
+        self.complete.add(function)
+        for edge in graph.downstream[function]:
+            self._settle(edge.to)
+
+    def result_of(self, function: str) -> Any:
+        outputs = [out for _, out in sorted(self.outputs[function], key=_first)]
+        if self.wf.many[function]:
+            return outputs
+        return outputs[0] if outputs else None
+
+    def output(self) -> Any:
+        spec, sinks = self.wf.spec, self.wf.graph.sinks
+        if spec.output is not None:
+            return self.result_of(spec.output)
+        if len(sinks) == 1:
+            return self.result_of(sinks[0])
+        return {name: self.result_of(name) for name in sinks}
+
+
+def _first(pair: tuple[Path, Any]) -> Path:
+    return pair[0]
+
+
+def _first_failure(group: BaseExceptionGroup) -> _CallFailed | None:
+    for error in group.exceptions:
+        if isinstance(error, _CallFailed):
+            return error
+        if isinstance(error, BaseExceptionGroup) and (found := _first_failure(error)):
+            return found
+    return None
+
+
+def _deadline_error(run: _Run, timeout_s: float) -> str:
+    running = [c for c in run.calls if c.status in (CANCELLED, "running", TIMEOUT)]
+    for call in running:
+        call.status = TIMEOUT
+    names = ", ".join(sorted(c.label for c in running)) or "-"
+    return f"request timed out after {timeout_s:.3f} s; still running: {names}"
+
+
+class Engine:
+    """Runs requests of deployed workflows through one invoker."""
+
+    def __init__(self, invoker: Invoker) -> None:
+        self.invoker = invoker
+        self._workflows: dict[str, _Deployed] = {}
+
+    @property
+    def specs(self) -> Mapping[str, WorkflowSpec]:
+        return {name: wf.spec for name, wf in self._workflows.items()}
+
+    async def deploy(self, spec: WorkflowSpec) -> None:
+        if spec.name in self._workflows:
+            raise ValueError(f"a workflow named {spec.name!r} is already deployed")
+        graph = spec.graph()
+        await self.invoker.deploy(spec)
+        self._workflows[spec.name] = _Deployed(
+            spec=spec,
+            graph=graph,
+            many=graph.runs_many(),
+            order={name: i for i, name in enumerate(graph.topological_order())},
+            slots={name: asyncio.Semaphore(fn.max_instances) for name, fn in spec.functions.items()},
+        )
+
+    async def run(
+        self,
+        workflow: str,
+        event: dict[str, Any],
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> RequestResult:
+        """Run one request; failures and timeouts come back as the result's status, never raised."""
+        wf = self._workflows.get(workflow)
+        if wf is None:
+            raise UnknownWorkflow(workflow, list(self._workflows))
+        request_id = request_id or new_request_id()
+        timeout_s = timeout_s if timeout_s is not None else wf.spec.timeout_ms / 1e3
+        run = _Run(self, wf, request_id)
+        started = time.perf_counter()
+        status, output, error, failed, tb = OK, None, None, None, None
+        try:
+            await run.execute(event, timeout_s)
+            output = run.output()
+        except TimeoutError:
+            status, error = TIMEOUT, _deadline_error(run, timeout_s)
+        except BaseExceptionGroup as group:
+            failure = _first_failure(group)
+            if failure is None:  # no invocation failed: the engine's own mistake
+                log.error("workflow %s request %s: engine error", workflow, request_id, exc_info=group)
+                status, error = ERROR, f"internal error: {group.exceptions[0]!r}"
+            elif failure.deadline:
+                status, error = TIMEOUT, _deadline_error(run, timeout_s)
+            else:
+                status = TIMEOUT if failure.timeout else ERROR
+                error, failed, tb = str(failure), failure.record.label, failure.traceback
+        except Exception as bug:  # the engine's own mistake must not take the gateway down
+            log.exception("workflow %s request %s: engine error", workflow, request_id)
+            status, error = ERROR, f"internal error: {type(bug).__name__}: {bug}"
+        finally:
+            try:
+                await asyncio.shield(self.invoker.end_request(workflow, request_id))
+            except Exception:
+                log.exception("workflow %s request %s: end_request failed", workflow, request_id)
+        run.calls.sort(key=lambda c: (wf.order[c.function], c.path))
+        return RequestResult(
+            request_id=request_id,
+            workflow=workflow,
+            status=status,
+            output=output,
+            latency_s=time.perf_counter() - started,
+            slo_ms=wf.spec.slo_ms,
+            calls=run.calls,
+            error=error,
+            failed_call=failed,
+            traceback=tb,
+        )
+
+    async def close(self) -> None:
+        await self.invoker.close()
+
+
+__all__ = [
+    "CallRecord",
+    "Engine",
+    "InvocationError",
+    "InvocationTimeout",
+    "RequestResult",
+    "UnknownWorkflow",
+    "call_label",
+    "new_request_id",
+]

@@ -1,0 +1,159 @@
+"""The gateway: an HTTP server (aiohttp) in front of the workflow engine.
+
+Routes:
+
+- ``POST /workflows/{name}/invoke``: the JSON body is the event of the workflow's entry functions.
+  Each request gets a new request id (also in the ``X-Request-Id`` response header) that scopes its
+  keys. ``?timeout_ms=`` may shorten the workflow's ``timeout_ms`` (never lengthen it). Answers 200
+  with the output and the per-function breakdown, 500 when a function failed, 504 on a timeout (both
+  with the same body plus ``error`` and ``failed_call``), 404 for an unknown workflow, 400 for a body
+  that is not a JSON object.
+- ``GET /workflows``: the deployed workflows (SLO, functions, edges).
+- ``GET /healthz``: ``{"status": "ok", "workflows": [...]}``.
+- ``GET /metrics``: Prometheus text format (`metrics.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from .engine import Engine
+from .invoker import StatsSource
+from .metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+_HTTP_STATUS = {"ok": 200, "error": 500, "timeout": 504}
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+class Gateway:
+    """The HTTP face of an engine whose workflows are deployed (see `GatewayServer` to run it)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        stats: StatsSource | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.engine = engine
+        self.metrics = GatewayMetrics(stats)
+        self.max_body_bytes = max_body_bytes
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.add_routes(
+            [
+                web.post("/workflows/{name}/invoke", self.invoke),
+                web.get("/workflows", self.workflows),
+                web.get("/healthz", self.healthz),
+                web.get("/metrics", self.metrics_text),
+            ]
+        )
+        return app
+
+    async def invoke(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        spec = self.engine.specs.get(name)
+        if spec is None:
+            return _error(404, f"unknown workflow {name!r}", workflows=sorted(self.engine.specs))
+        try:
+            event = json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return _error(400, f"the body is not JSON: {error}")
+        if not isinstance(event, dict):
+            return _error(400, f"the body must be a JSON object (the event), got {type(event).__name__}")
+        timeout_s = spec.timeout_ms / 1e3
+        if "timeout_ms" in request.query:
+            try:
+                asked = float(request.query["timeout_ms"])
+            except ValueError:
+                asked = -1.0
+            if not asked > 0:
+                return _error(
+                    400, f"timeout_ms must be a positive number, got {request.query['timeout_ms']!r}"
+                )
+            timeout_s = min(timeout_s, asked / 1e3)
+        in_flight = self.metrics.in_flight.labels(name)
+        in_flight.inc()
+        try:
+            result = await self.engine.run(name, event, timeout_s=timeout_s)
+        finally:
+            in_flight.dec()
+        self.metrics.observe(result)
+        if not result.ok:
+            log.warning("workflow %s request %s: %s", name, result.request_id, result.error)
+        return web.json_response(
+            result.to_json(),
+            status=_HTTP_STATUS[result.status],
+            headers={"X-Request-Id": result.request_id},
+        )
+
+    async def workflows(self, request: web.Request) -> web.Response:
+        body = {
+            name: {
+                "description": spec.description,
+                "slo_ms": spec.slo_ms,
+                "timeout_ms": spec.timeout_ms,
+                "functions": {
+                    f: {"models": fn.models, "batch_size": fn.batch_size, "max_instances": fn.max_instances}
+                    for f, fn in spec.functions.items()
+                },
+                "edges": [e.model_dump(by_alias=True, exclude_defaults=True) for e in spec.edges],
+            }
+            for name, spec in self.engine.specs.items()
+        }
+        return web.json_response(body)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "workflows": sorted(self.engine.specs)})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.render()
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = content_type
+        return response
+
+
+class GatewayServer:
+    """Runs a gateway on host:port (port 0: a free port) inside the running event loop."""
+
+    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.gateway = gateway
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> str:
+        self._runner = web.AppRunner(self.gateway.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]  # the bound port (port 0 asks for a free one)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> GatewayServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

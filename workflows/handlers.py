@@ -1,0 +1,72 @@
+"""Finding a function's handler from its `module:function` reference.
+
+A handler module is imported by its dotted name. The folder of the workflow's YAML file is put on
+`sys.path` first (and left there: function instances import the same modules later), so a workflow may
+keep its handlers in a module beside its YAML file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Handler = Callable[[Any, dict], Any]
+
+
+class HandlerError(ValueError):
+    """A handler reference that does not resolve to a usable handler; the message says why."""
+
+
+def _add_base_dir(base_dir: Path | None) -> None:
+    if base_dir is not None:
+        entry = str(Path(base_dir).resolve())
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+
+
+def resolve_handler(ref: str, base_dir: Path | None = None) -> Handler:
+    """Import `module:function` and return the function, checking it accepts `(ctx, event)`."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise HandlerError(f"handler {ref!r} is not of the form module:function")
+    _add_base_dir(base_dir)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise HandlerError(f"cannot import module {module_name!r}: {error}") from error
+    except Exception as error:  # the module itself is broken: say how
+        raise HandlerError(
+            f"importing module {module_name!r} raised {type(error).__name__}: {error}"
+        ) from error
+    try:
+        handler = getattr(module, attr)
+    except AttributeError:
+        own = sorted(
+            n
+            for n, v in vars(module).items()
+            if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")
+        )
+        raise HandlerError(
+            f"module {module_name!r} has no attribute {attr!r}; its functions: {', '.join(own) or '-'}"
+        ) from None
+    if not callable(handler):
+        raise HandlerError(f"{ref!r} is a {type(handler).__name__}, not a function")
+    try:
+        inspect.signature(handler).bind(None, {})
+    except TypeError:
+        raise HandlerError(f"handler {ref!r} must accept (ctx, event)") from None
+    except ValueError:
+        pass  # no signature to inspect (a builtin): trust it
+    return handler
+
+
+def declared_models(handler: Handler) -> list[str] | None:
+    """The models a handler declares with `@streambox.function(models=[...])`; None when it names
+    none (not decorated, or decorated without models)."""
+    meta = getattr(handler, "__streambox__", None)
+    models = getattr(meta, "models", None)
+    return list(models) if models else None

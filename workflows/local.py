@@ -1,0 +1,480 @@
+"""Run-local: the embedded invoker, for development (`streambox run-local`) and the engine's tests.
+
+Handlers run in threads of this process instead of in forked function processes behind the API proxy.
+Everything below the handler is real: the device (emulated by default, or CUDA), the model pool's
+kernel plans, the plan executor (lazy allocation, eager recycling), stream-ordered memory, one stream
+per function instance, and keys whose device tensors are handed over without a copy. What the proxy
+adds and this mode does not have: process isolation (a hung handler cannot be killed here; its
+request still times out), the forwarding channel, the IO daemon, the auto-scaling memory pool and the
+elastic communication store (here: the device's stream-ordered pool and a dict of keys).
+
+Instances: each function keeps up to `max_instances` instances, each with its own stream. A call takes
+an idle instance (warm) or starts one (cold start: a new stream); instances idle longer than
+`keep_alive_s` are stopped. Model weights are uploaded on first use and stay resident, shared by the
+workflow's functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from streambox.api_proxy.device_tensor import DeviceTensor, download_tensor, upload_tensor
+from streambox.api_proxy.executor import DeviceModel, PlanExecutor, StreamPoolAllocator, upload_model
+from streambox.config import Config
+from streambox.device import Event, Runtime, Stream
+from streambox.kernel_compiler.model_pool import ModelPool
+from streambox.kernel_compiler.zoo import get_entry
+
+from .handlers import Handler, resolve_handler
+from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
+from .spec import WorkflowSpec
+
+SYSTEMS = ("streambox", "stream-only")
+DEFAULT_KEEP_ALIVE_S = 600.0
+DEFAULT_GET_TIMEOUT_S = 30.0
+_ENDED_REMEMBERED = 4096
+
+
+class GetTimeout(TimeoutError):
+    """A GET whose key nobody put in time."""
+
+
+class StoreError(RuntimeError):
+    """A put/get/delete the store refuses (ended request, tensor not owned, unknown key)."""
+
+
+@dataclass
+class _Entry:
+    handle: DeviceTensor
+    ready: Event  # recorded on the producer's stream at put: consumers wait on it
+    request_id: str
+    consumers: int | None  # gets left before the entry is consumed; None = until deleted
+    expires: float | None
+
+
+class LocalStore:
+    """Keys to device tensors of one workflow (dict-backed PUT/GET; same device: no copy)."""
+
+    def __init__(self, runtime: Runtime, allocator: StreamPoolAllocator) -> None:
+        self._runtime = runtime
+        self._allocator = allocator
+        self._stream = runtime.create_stream()  # frees of store-owned tensors
+        self._cond = threading.Condition()
+        self._entries: dict[str, _Entry] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._entries)
+
+    @property
+    def stored_bytes(self) -> int:
+        with self._cond:
+            return sum(e.handle.nbytes for e in self._entries.values())
+
+    def _free(self, entry: _Entry) -> None:
+        self._stream.wait_event(entry.ready)
+        self._allocator.free(entry.handle.address, self._stream)
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, e in self._entries.items() if e.expires is not None and e.expires <= now]:
+            self._free(self._entries.pop(key))
+
+    def put(
+        self,
+        key: str,
+        handle: DeviceTensor,
+        ready: Event,
+        request_id: str,
+        consumers: int | None = None,
+        ttl: float | None = None,
+    ) -> None:
+        if consumers is not None and consumers < 1:
+            raise ValueError(f"consumers must be >= 1 or None, got {consumers}")
+        now = time.monotonic()
+        with self._cond:
+            if request_id in self._ended:
+                raise StoreError(f"request {request_id} has ended: PUT of key {key!r} refused")
+            self._expire(now)
+            if key in self._entries:
+                raise StoreError(f"key {key!r} is already stored; delete it first")
+            expires = now + ttl if ttl is not None else None
+            self._entries[key] = _Entry(handle, ready, request_id, consumers, expires)
+            self._cond.notify_all()
+
+    def get(self, key: str, timeout: float) -> tuple[_Entry, bool]:
+        """The entry, and whether this GET consumed it (the caller then owns the tensor)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._expire(time.monotonic())
+                entry = self._entries.get(key)
+                if entry is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise GetTimeout(f"GET of key {key!r} timed out after {timeout:g} s: nothing put it")
+                self._cond.wait(left)
+            if entry.consumers is None:
+                return entry, False
+            entry.consumers -= 1
+            if entry.consumers == 0:
+                del self._entries[key]
+                return entry, True
+            return entry, False
+
+    def delete(self, key: str) -> None:
+        with self._cond:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                raise StoreError(f"DELETE of key {key!r}: no such key")
+            self._free(entry)
+        self._stream.synchronize()
+
+    def end_request(self, request_id: str) -> int:
+        """Free what the request left stored; refuse its later puts. Returns how many keys went."""
+        with self._cond:
+            self._ended[request_id] = None
+            while len(self._ended) > _ENDED_REMEMBERED:
+                self._ended.popitem(last=False)
+            keys = [k for k, e in self._entries.items() if e.request_id == request_id]
+            for key in keys:
+                self._free(self._entries.pop(key))
+        if keys:
+            self._stream.synchronize()  # the bytes are back in the pool when the request is over
+        return len(keys)
+
+    def close(self) -> None:
+        with self._cond:
+            for entry in self._entries.values():
+                self._free(entry)
+            self._entries.clear()
+        self._stream.synchronize()
+        self._stream.destroy()
+
+
+@dataclass
+class _Instance:
+    function: str
+    stream: Stream
+    last_used: float
+    invocations: int = 0
+
+
+@dataclass
+class _InstancePool:
+    """A function's instances: idle ones (most recently used first out) and how many live."""
+
+    max_instances: int
+    idle: list[_Instance] = field(default_factory=list)
+    live: int = 0
+    cold_starts: int = 0
+    freed: asyncio.Condition | None = None
+
+
+class _LocalWorkflow:
+    """One deployed workflow: its allocator, executor, resident models, store and instances."""
+
+    def __init__(self, invoker: LocalInvoker, spec: WorkflowSpec, handlers: dict[str, Handler]) -> None:
+        runtime = invoker.runtime
+        self.spec = spec
+        self.handlers = handlers
+        self.runtime = runtime
+        stream_only = invoker.system == "stream-only"
+        # stream-only keeps what it allocated cached (a static caching pool); StreamBox trims to zero.
+        threshold = runtime.memory_info()[1] if stream_only else 0
+        self.allocator = StreamPoolAllocator(runtime, release_threshold=threshold)
+        self.executor = PlanExecutor(runtime, self.allocator, eager_recycling=not stream_only)
+        self.model_pool = invoker.model_pool
+        self.store = LocalStore(runtime, self.allocator)
+        self.pools = {name: _InstancePool(fn.max_instances) for name, fn in spec.functions.items()}
+        self._models: dict[tuple[str, int, tuple[int, ...]], DeviceModel] = {}
+        self._load_lock = threading.Lock()
+        self._loader = runtime.create_stream()
+
+    def model(self, name: str, batch: int, shape: tuple[int, ...]) -> DeviceModel:
+        """The resident model for (name, batch, shape): lowered and uploaded on first use."""
+        key = (name, batch, shape)
+        with self._load_lock:
+            if key not in self._models:
+                plan = self.model_pool.get_or_lower(name, batch, shape)
+                self._models[key] = upload_model(self.runtime, plan, self.allocator, self._loader)
+                self._loader.synchronize()
+            return self._models[key]
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(m.weight_bytes for m in self._models.values())
+
+    def close(self) -> None:
+        self.store.close()
+        for model in self._models.values():
+            for tensor in model.weights.values():
+                self.allocator.free(tensor.address, self._loader)
+        self._models.clear()
+        self._loader.synchronize()
+        self._loader.destroy()
+        for pool in self.pools.values():
+            for instance in pool.idle:
+                instance.stream.destroy()
+            pool.idle.clear()
+        self.allocator.pool.trim_to(0)
+
+
+class LocalContext:
+    """The `ctx` of a handler in run-local mode (the same calls as the function SDK's)."""
+
+    def __init__(self, wf: _LocalWorkflow, function: str, stream: Stream, request_id: str) -> None:
+        self._wf = wf
+        self._stream = stream
+        self._owned: dict[int, DeviceTensor] = {}  # tensors this invocation must free at its end
+        self.function = function
+        self.request_id = request_id
+
+    def key(self, name: str) -> str:
+        """`<workflow>/<request id>/<name>`: a key scoped to this request, dropped when it ends."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a key name is a non-empty string, got {name!r}")
+        return f"{self._wf.spec.name}/{self.request_id}/{name}"
+
+    def _own(self, handle: DeviceTensor) -> DeviceTensor:
+        self._owned[handle.address] = handle
+        return handle
+
+    def upload(self, tensor: torch.Tensor) -> DeviceTensor:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            raise TypeError(f"upload takes a CPU torch tensor, got {type(tensor).__name__}")
+        return self._own(upload_tensor(self._wf.runtime, tensor, self._wf.allocator.allocate, self._stream))
+
+    def download(self, handle: DeviceTensor) -> torch.Tensor:
+        if not isinstance(handle, DeviceTensor):
+            raise TypeError(f"download takes a device tensor handle, got {type(handle).__name__}")
+        return download_tensor(self._wf.runtime, handle, self._stream)
+
+    def infer(self, model: str, x: DeviceTensor | torch.Tensor) -> list[DeviceTensor]:
+        declared = self._wf.spec.functions[self.function].models
+        if model not in declared:
+            raise ValueError(
+                f"function {self.function!r} did not declare model {model!r} (declared: {declared})"
+            )
+        if isinstance(x, torch.Tensor):
+            x = self.upload(x)
+        if not isinstance(x, DeviceTensor):
+            raise TypeError(f"infer takes a device tensor handle or a CPU tensor, got {type(x).__name__}")
+        want = get_entry(model).input_dtype
+        if x.dtype != want or len(x.shape) < 2:
+            raise ValueError(
+                f"model {model!r} takes a batch of {want} inputs [B, ...], got {x.dtype} {list(x.shape)}"
+            )
+        resident = self._wf.model(model, x.shape[0], tuple(x.shape[1:]))
+        plan = resident.plan
+        run = self._wf.executor.run(resident, {plan.inputs[0]: x}, self._stream)
+        return [self._own(run.outputs[name]) for name in plan.outputs]
+
+    def put(
+        self, key: str, handle: DeviceTensor, consumers: int | None = None, ttl: float | None = None
+    ) -> None:
+        if self._owned.get(getattr(handle, "address", None)) is not handle:
+            raise StoreError(
+                f"PUT of key {key!r}: only a tensor this invocation made (upload, infer) or consumed "
+                "(a GET that used up its last consumer) can be put"
+            )
+        ready = self._wf.runtime.create_event(timing=False)
+        ready.record(self._stream)
+        self._wf.store.put(key, handle, ready, self.request_id, consumers, ttl)
+        del self._owned[handle.address]  # the store owns it now
+
+    def get(self, key: str, timeout: float = DEFAULT_GET_TIMEOUT_S) -> DeviceTensor:
+        entry, consumed = self._wf.store.get(key, timeout)
+        self._stream.wait_event(entry.ready)  # the producer's kernels come first
+        return self._own(entry.handle) if consumed else entry.handle
+
+    def delete(self, key: str) -> None:
+        self._wf.store.delete(key)
+
+    def finish(self) -> None:
+        """Free what the invocation still owns (stream-ordered) and wait for its stream."""
+        for handle in self._owned.values():
+            self._wf.allocator.free(handle.address, self._stream)
+        self._owned.clear()
+        self._stream.synchronize()
+
+
+def _json_copy(value: Any, what: str) -> Any:
+    """Values cross the function boundary as JSON, as on the wire: refuse anything else."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{what} is not JSON-able: {error}") from None
+
+
+class LocalInvoker:
+    """Runs handlers in this process on a real runtime (see the module docstring)."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        model_pool: ModelPool | None = None,
+        *,
+        system: str = "streambox",
+        keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+        max_threads: int = 64,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        if system not in SYSTEMS:
+            raise ValueError(f"system {system!r} is not one of: {', '.join(SYSTEMS)}")
+        self.runtime = runtime
+        self.model_pool = model_pool or ModelPool()
+        self.system = system
+        self.keep_alive_s = keep_alive_s
+        self._threads = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="streambox-fn")
+        self._workflows: dict[str, _LocalWorkflow] = {}
+        self._on_close = on_close
+
+    @classmethod
+    def open(
+        cls,
+        config: Config | None = None,
+        *,
+        system: str = "streambox",
+        device: int = 0,
+        keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+    ) -> LocalInvoker:
+        """A local invoker on its own runtime of the configured backend (closed with the invoker)."""
+        config = config or Config.from_env()
+        backend = config.open_backend()
+        runtime = backend.open_runtime(device)
+        return cls(
+            runtime,
+            ModelPool(config.model_pool),
+            system=system,
+            keep_alive_s=keep_alive_s,
+            on_close=runtime.close,
+        )
+
+    # -- Invoker ---------------------------------------------------------------------------------
+    async def deploy(self, spec: WorkflowSpec) -> None:
+        if spec.name in self._workflows:
+            raise ValueError(f"workflow {spec.name!r} is already deployed")
+        handlers = {name: resolve_handler(fn.handler, spec.base_dir) for name, fn in spec.functions.items()}
+        self._workflows[spec.name] = _LocalWorkflow(self, spec, handlers)
+
+    async def invoke(
+        self,
+        workflow: str,
+        function: str,
+        event: dict[str, Any],
+        request_id: str,
+        *,
+        timeout_s: float | None = None,
+    ) -> InvocationResult:
+        started = time.perf_counter()
+        wf = self._workflows[workflow]
+        event = _json_copy(event, f"the event of {function!r}")
+        instance, cold = await self._acquire(wf, function)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._threads, self._run, wf, instance, function, event, request_id)
+        # The instance is busy until its thread returns, even when the caller stops waiting.
+        future.add_done_callback(lambda _: self._release(wf, instance))
+        try:
+            output = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except TimeoutError:
+            raise InvocationTimeout(f"{function} ran past {timeout_s:.3f} s") from None
+        return InvocationResult(output, cold, time.perf_counter() - started)
+
+    async def end_request(self, workflow: str, request_id: str) -> None:
+        store = self._workflows[workflow].store
+        await asyncio.get_running_loop().run_in_executor(self._threads, store.end_request, request_id)
+
+    async def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        for wf in self._workflows.values():
+            wf.close()
+        self._workflows.clear()
+        if self._on_close is not None:
+            self._on_close()
+
+    # -- stats -----------------------------------------------------------------------------------
+    def runtime_stats(self) -> Iterator[RuntimeStats]:
+        """The gateway's stats callback: device memory, pool and instances per workflow."""
+        free, total = self.runtime.memory_info()
+        for name, wf in self._workflows.items():
+            yield RuntimeStats(
+                workflow=name,
+                device=self.runtime.index,
+                memory_used_bytes=total - free,
+                memory_total_bytes=total,
+                pool_reserved_bytes=wf.allocator.pool.reserved_bytes,
+                pool_used_bytes=wf.allocator.pool.used_bytes,
+                instances={fn: pool.live for fn, pool in wf.pools.items()},
+            )
+
+    def stored_keys(self, workflow: str) -> int:
+        return len(self._workflows[workflow].store)
+
+    def cold_starts(self, workflow: str) -> dict[str, int]:
+        return {fn: pool.cold_starts for fn, pool in self._workflows[workflow].pools.items()}
+
+    # -- instances -------------------------------------------------------------------------------
+    async def _acquire(self, wf: _LocalWorkflow, function: str) -> tuple[_Instance, bool]:
+        pool = wf.pools[function]
+        if pool.freed is None:
+            pool.freed = asyncio.Condition()
+        async with pool.freed:
+            while True:
+                now = time.monotonic()
+                for old in [i for i in pool.idle if now - i.last_used > self.keep_alive_s]:
+                    pool.idle.remove(old)  # kept alive long enough: scale towards zero
+                    pool.live -= 1
+                    old.stream.destroy()
+                if pool.idle:
+                    return pool.idle.pop(), False
+                if pool.live < pool.max_instances:
+                    pool.live += 1
+                    pool.cold_starts += 1
+                    return _Instance(function, self.runtime.create_stream(), now), True
+                await pool.freed.wait()
+
+    def _release(self, wf: _LocalWorkflow, instance: _Instance) -> None:
+        pool = wf.pools[instance.function]
+        instance.last_used = time.monotonic()
+        instance.invocations += 1
+        if wf.spec.name not in self._workflows:  # closed meanwhile
+            instance.stream.destroy()
+            return
+        pool.idle.append(instance)
+
+        async def notify() -> None:
+            assert pool.freed is not None
+            async with pool.freed:
+                pool.freed.notify()
+
+        asyncio.ensure_future(notify())
+
+    def _run(
+        self, wf: _LocalWorkflow, instance: _Instance, function: str, event: dict[str, Any], request_id: str
+    ) -> Any:
+        """In a worker thread: the handler, then the invocation's cleanup."""
+        ctx = LocalContext(wf, function, instance.stream, request_id)
+        try:
+            output = wf.handlers[function](ctx, event)
+            ctx.finish()
+            return _json_copy(output, f"the output of {function!r}")
+        except Exception as error:
+            with contextlib.suppress(Exception):
+                ctx.finish()  # the handler's error is the one to report
+            raise InvocationError(
+                function, type(error).__name__, str(error), traceback.format_exc()
+            ) from None

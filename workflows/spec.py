@@ -1,0 +1,239 @@
+"""The workflow spec: a DAG of functions in YAML, as pydantic models, plus its graph checks.
+
+The schema (every key is checked; unknown keys are errors)::
+
+    name: traffic                 # [a-z0-9][a-z0-9_-]*: used in URLs, keys and metrics
+    description: ...              # optional
+    slo_ms: 200                   # latency objective of one request
+    timeout_ms: 30000             # optional: a request that runs longer fails with a timeout
+    output: null                  # optional: the function whose result is the response's output
+    functions:
+      detect:                     # function name, same pattern as `name`
+        handler: streambox.workflows.examples.traffic:detect   # module:function
+        models: [ssdlite320_mobilenet_v3]                      # zoo models it infers with
+        batch_size: 1             # batch its model plans are lowered for
+        max_instances: 4          # at most this many invocations of it run at once
+        timeout_ms: 10000         # optional: one invocation's limit
+        params: {image_size: 320} # optional: handed to the handler as event["params"]
+    edges:
+      - {from: detect, to: face, select: people, fan_out: true}
+      - {from: face, to: report, fan_in: true}
+
+Semantics (the engine's, `engine.py`):
+
+- Entry functions (no incoming edge) are invoked once with the request's event.
+- An edge delivers the upstream output (or its field ``select``) to the downstream function: once per
+  upstream invocation, or, with ``fan_out``, once per item of that list.
+- A function without ``fan_in`` is invoked once per delivered item; its event is the item (a JSON
+  object; anything else arrives wrapped as ``{"value": item}``).
+- A function whose incoming edges are ``fan_in`` waits until every upstream invocation of the request
+  has finished and is invoked once with ``{"inputs": {upstream: [items...]}}`` (items in a fixed
+  order: the order of the fan-out lists, not of completion). A function with more than one upstream
+  function must be fan-in.
+- The response's output is the result of ``output``, or, by default, of the only sink (function
+  without outgoing edges), or a mapping sink -> result when there are several. A function's result is
+  a single value when it runs once per request, and a list when a fan-out upstream (not closed by a
+  fan-in) makes it run once per item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=64)]
+HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+HandlerRef = Annotated[str, StringConstraints(pattern=HANDLER_PATTERN, max_length=200)]
+DEFAULT_TIMEOUT_MS = 30_000.0
+DEFAULT_MAX_INSTANCES = 4
+
+
+class _Strict(BaseModel):
+    # strict: YAML has real types, so "200" for a number or `yes` for a flag is a mistake, not a value.
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, frozen=True)
+
+
+class FunctionSpec(_Strict):
+    handler: HandlerRef = Field(description="the handler as module:function")
+    models: list[str] = Field(default_factory=list, description="zoo models the handler infers with")
+    batch_size: int = Field(1, ge=1, le=1024, description="batch the model plans are lowered for")
+    max_instances: int = Field(DEFAULT_MAX_INSTANCES, ge=1, le=1024, description="concurrency limit")
+    timeout_ms: float | None = Field(None, gt=0, description="one invocation's time limit")
+    params: dict[str, Any] = Field(default_factory=dict, description="given to the handler in the event")
+
+
+class EdgeSpec(_Strict):
+    source: Name = Field(alias="from")
+    to: Name
+    select: str | None = Field(None, min_length=1, description="field of the upstream output to pass")
+    fan_out: bool = Field(False, description="one downstream invocation per item of a list")
+    fan_in: bool = Field(False, description="the downstream waits for all upstream invocations")
+
+
+class WorkflowSpec(_Strict):
+    name: Name
+    description: str = ""
+    slo_ms: float = Field(gt=0)
+    timeout_ms: float = Field(DEFAULT_TIMEOUT_MS, gt=0)
+    output: Name | None = None
+    functions: dict[Name, FunctionSpec] = Field(min_length=1)
+    edges: list[EdgeSpec] = Field(default_factory=list)
+
+    # Where the YAML file lives: handler modules beside it are importable (see `handlers.py`).
+    _base_dir: Path | None = PrivateAttr(default=None)
+
+    @property
+    def base_dir(self) -> Path | None:
+        return self._base_dir
+
+    def with_base_dir(self, base_dir: Path | None) -> WorkflowSpec:
+        spec = self.model_copy()
+        spec._base_dir = base_dir
+        return spec
+
+    def with_params(self, params: dict[str, dict[str, Any]]) -> WorkflowSpec:
+        """A copy whose functions' params are updated (merged) with `params[function]`."""
+        unknown = sorted(set(params) - set(self.functions))
+        if unknown:
+            raise KeyError(f"workflow {self.name!r} has no functions {unknown}")
+        functions = {
+            name: fn.model_copy(update={"params": {**fn.params, **params.get(name, {})}})
+            for name, fn in self.functions.items()
+        }
+        return self.model_copy(update={"functions": functions}).with_base_dir(self._base_dir)
+
+    def graph(self) -> WorkflowGraph:
+        return WorkflowGraph.of(self)
+
+
+@dataclass(frozen=True)
+class WorkflowGraph:
+    """The DAG of a spec whose edges name existing functions (checked by `check_graph`)."""
+
+    functions: tuple[str, ...]
+    upstream: dict[str, tuple[EdgeSpec, ...]]
+    downstream: dict[str, tuple[EdgeSpec, ...]]
+
+    @classmethod
+    def of(cls, spec: WorkflowSpec) -> WorkflowGraph:
+        names = tuple(spec.functions)
+        up: dict[str, list[EdgeSpec]] = {n: [] for n in names}
+        down: dict[str, list[EdgeSpec]] = {n: [] for n in names}
+        for edge in spec.edges:
+            down.setdefault(edge.source, []).append(edge)
+            up.setdefault(edge.to, []).append(edge)
+        return cls(
+            names,
+            {n: tuple(e) for n, e in up.items()},
+            {n: tuple(e) for n, e in down.items()},
+        )
+
+    @property
+    def entries(self) -> list[str]:
+        return [n for n in self.functions if not self.upstream[n]]
+
+    @property
+    def sinks(self) -> list[str]:
+        return [n for n in self.functions if not self.downstream[n]]
+
+    def is_fan_in(self, name: str) -> bool:
+        return any(e.fan_in for e in self.upstream[name])
+
+    def topological_order(self) -> list[str]:
+        order: list[str] = []
+        indegree = {n: len(self.upstream[n]) for n in self.functions}
+        ready = [n for n in self.functions if indegree[n] == 0]
+        while ready:
+            name = ready.pop(0)
+            order.append(name)
+            for edge in self.downstream[name]:
+                indegree[edge.to] -= 1
+                if indegree[edge.to] == 0:
+                    ready.append(edge.to)
+        return order
+
+    def runs_many(self) -> dict[str, bool]:
+        """Per function: may it run more than once per request (a fan-out above it, not closed)?"""
+        many: dict[str, bool] = {}
+        for name in self.topological_order():
+            many[name] = not self.is_fan_in(name) and any(
+                e.fan_out or many[e.source] for e in self.upstream[name]
+            )
+        return many
+
+    def find_cycle(self) -> list[str] | None:
+        """One cycle as a closed path [a, b, ..., a], or None."""
+        state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+        path: list[str] = []
+
+        def visit(name: str) -> list[str] | None:
+            state[name] = 1
+            path.append(name)
+            for edge in self.downstream[name]:
+                if state.get(edge.to) == 1:
+                    return [*path[path.index(edge.to) :], edge.to]
+                if edge.to not in state and (cycle := visit(edge.to)):
+                    return cycle
+            state[name] = 2
+            path.pop()
+            return None
+
+        for name in self.functions:
+            if name not in state and (cycle := visit(name)):
+                return cycle
+        return None
+
+
+def check_graph(spec: WorkflowSpec) -> Iterator[tuple[tuple[str | int, ...], str]]:
+    """Graph mistakes as (location in the spec, message): unknown functions, self-loops, duplicate
+    edges, cycles, joins without fan-in, a bad `output`."""
+    names = list(spec.functions)
+    known = ", ".join(names)
+    seen: dict[tuple[str, str], int] = {}
+    edges_ok = True
+    for i, edge in enumerate(spec.edges):
+        for field, value in (("from", edge.source), ("to", edge.to)):
+            if value not in spec.functions:
+                edges_ok = False
+                yield ("edges", i, field), f"unknown function {value!r}; functions: {known}"
+        if edge.source == edge.to:
+            edges_ok = False
+            yield ("edges", i, "to"), f"edge from {edge.source!r} to itself"
+        pair = (edge.source, edge.to)
+        if pair in seen:
+            edges_ok = False
+            yield ("edges", i), f"duplicate edge {edge.source} -> {edge.to} (first at edges[{seen[pair]}])"
+        seen.setdefault(pair, i)
+    if spec.output is not None and spec.output not in spec.functions:
+        yield ("output",), f"unknown function {spec.output!r}; functions: {known}"
+    if not edges_ok:
+        return
+    graph = spec.graph()
+    cycle = graph.find_cycle()
+    if cycle is not None:
+        closing = next(i for i, e in enumerate(spec.edges) if (e.source, e.to) == (cycle[-2], cycle[-1]))
+        yield ("edges", closing), "edges form a cycle: " + " -> ".join(cycle)
+        return
+    for name in names:
+        upstream = graph.upstream[name]
+        fan_in = [e.fan_in for e in upstream]
+        if any(fan_in) and not all(fan_in):
+            first = spec.edges.index(next(e for e in upstream if not e.fan_in))
+            yield (
+                ("edges", first, "fan_in"),
+                f"function {name!r} is fan-in on some incoming edges but not on this one: "
+                "set fan_in on all of them",
+            )
+        elif len(upstream) > 1 and not any(fan_in):
+            first = spec.edges.index(upstream[0])
+            sources = ", ".join(e.source for e in upstream)
+            yield (
+                ("edges", first, "to"),
+                f"function {name!r} has {len(upstream)} upstream functions ({sources}): "
+                "a join must wait for all of them, set fan_in: true on its incoming edges",
+            )

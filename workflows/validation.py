@@ -1,0 +1,246 @@
+"""Loading a workflow YAML file strictly, with errors that name the file, the line and the field.
+
+The YAML is composed into nodes (PyYAML's compose API), which keep their position; the data built from
+them is validated by the pydantic models of `spec.py`, and every error's location (a path of keys and
+indices) is mapped back to the line of that key. Then the graph (cycles, joins, unknown functions),
+the handlers (importable, callable with `(ctx, event)`) and the models (in the zoo) are checked. All
+mistakes are reported at once, one line each::
+
+    traffic.yaml:7:5: functions.detect.batchsize: unknown key; did you mean 'batch_size'? ...
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from yaml.constructor import SafeConstructor
+from yaml.error import Mark
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from streambox.kernel_compiler.zoo import ZOO, UnknownModelError
+
+from .handlers import HandlerError, declared_models, resolve_handler
+from .spec import HANDLER_PATTERN, NAME_PATTERN, EdgeSpec, FunctionSpec, WorkflowSpec, check_graph
+
+Loc = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One mistake in a workflow file."""
+
+    file: str
+    line: int | None  # 1-based
+    column: int | None  # 1-based
+    field: str  # dotted path of the key, e.g. functions.detect.models[0]; "" for the whole document
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}:{self.column}"
+        return f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
+
+
+class WorkflowValidationError(ValueError):
+    """A workflow file with mistakes; `str()` is the user-facing message (one line per issue, in the
+    order of the file)."""
+
+    def __init__(self, issues: list[Issue]) -> None:
+        issues = sorted(issues, key=lambda i: (i.line or 0, i.column or 0))
+        super().__init__("\n".join(str(i) for i in issues))
+        self.issues = issues
+
+    def __str__(self) -> str:
+        return "\n".join(str(i) for i in self.issues)
+
+
+def format_loc(loc: Iterable[str | int]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+class _Document:
+    """YAML nodes turned into plain data, remembering where each key and item stands."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.marks: dict[Loc, Mark] = {}
+        self.issues: list[Issue] = []
+        self._constructor = SafeConstructor()
+
+    def issue(self, loc: Loc, message: str, mark: Mark | None = None) -> None:
+        mark = mark or self.mark_for(loc)
+        line = mark.line + 1 if mark else None
+        column = mark.column + 1 if mark else None
+        self.issues.append(Issue(self.file, line, column, format_loc(loc), message))
+
+    def mark_for(self, loc: Loc) -> Mark | None:
+        """The mark of `loc`, or of its nearest enclosing key that exists in the file."""
+        loc = tuple(p for p in loc if p != "[key]")
+        for n in range(len(loc), -1, -1):
+            if loc[:n] in self.marks:
+                return self.marks[loc[:n]]
+        return None
+
+    def build(self, node: Node, loc: Loc = (), active: frozenset[int] = frozenset()) -> Any:
+        if id(node) in active:
+            self.issue(loc, "recursive YAML alias", node.start_mark)
+            return None
+        active = active | {id(node)}
+        if isinstance(node, MappingNode):
+            self._constructor.flatten_mapping(node)  # merge keys (<<) as PyYAML does
+            out: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, ScalarNode):
+                    self.issue(loc, "a key must be a plain value, not a list or mapping", key_node.start_mark)
+                    continue
+                key = self._constructor.construct_object(key_node)
+                if key in out:
+                    self.issue((*loc, key), "duplicate key", key_node.start_mark)
+                    continue
+                self.marks[(*loc, key)] = key_node.start_mark
+                out[key] = self.build(value_node, (*loc, key), active)
+            return out
+        if isinstance(node, SequenceNode):
+            items = []
+            for i, item in enumerate(node.value):
+                self.marks[(*loc, i)] = item.start_mark
+                items.append(self.build(item, (*loc, i), active))
+            return items
+        return self._constructor.construct_object(node)
+
+
+def _model_at(loc: Loc) -> type[BaseModel] | None:
+    if len(loc) == 0:
+        return WorkflowSpec
+    if len(loc) == 2 and loc[0] == "functions":
+        return FunctionSpec
+    if len(loc) == 2 and loc[0] == "edges":
+        return EdgeSpec
+    return None
+
+
+def _keys_of(model: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_PATTERNS = {
+    NAME_PATTERN: "a valid name: lowercase letters, digits, '-' and '_', starting with a letter or digit",
+    HANDLER_PATTERN: "a handler reference of the form module:function (e.g. my_handlers:detect)",
+}
+
+
+def _pydantic_issues(doc: _Document, error: ValidationError) -> None:
+    for err in error.errors():
+        loc: Loc = tuple(err["loc"])
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            allowed = _keys_of(model) if model else []
+            hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            message = "unknown key" + (f"; did you mean {hint[0]!r}?" if hint else "")
+            if allowed:
+                message += f" (allowed keys: {', '.join(allowed)})"
+            doc.issue(loc, message)
+        elif kind == "missing":
+            doc.issue(loc, "required key is missing")
+        elif kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in _PATTERNS:
+            what = _PATTERNS[err["ctx"]["pattern"]]
+            doc.issue(tuple(p for p in loc if p != "[key]"), f"{err['input']!r} is not {what}")
+        else:
+            doc.issue(loc, f"{err['msg']} (got {_short(err['input'])})")
+
+
+def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -> WorkflowSpec:
+    filled: dict[str, FunctionSpec] = {}
+    for name, fn in spec.functions.items():
+        declared: list[str] | None = None
+        if check_handlers:
+            try:
+                declared = declared_models(resolve_handler(fn.handler, spec.base_dir))
+            except HandlerError as error:
+                doc.issue(("functions", name, "handler"), str(error))
+        for i, model in enumerate(fn.models):
+            if model not in ZOO:
+                doc.issue(("functions", name, "models", i), str(UnknownModelError(model, list(ZOO))))
+            elif model in fn.models[:i]:
+                doc.issue(("functions", name, "models", i), f"model {model!r} is listed twice")
+        if declared is not None:
+            if not fn.models:
+                fn = fn.model_copy(update={"models": declared})
+                filled[name] = fn
+            elif set(declared) != set(fn.models):
+                doc.issue(
+                    ("functions", name, "models"),
+                    f"the handler declares models {declared} but the workflow lists {fn.models}",
+                )
+    if not filled:
+        return spec
+    functions = {name: filled.get(name, fn) for name, fn in spec.functions.items()}
+    return spec.model_copy(update={"functions": functions}).with_base_dir(spec.base_dir)
+
+
+def parse_spec(
+    text: str,
+    file: str = "<string>",
+    base_dir: Path | None = None,
+    *,
+    check_handlers: bool = True,
+) -> WorkflowSpec:
+    """Validate YAML text; raises `WorkflowValidationError` listing every mistake."""
+    doc = _Document(file)
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None:
+            doc.marks[()] = root.start_mark
+        data = doc.build(root) if root is not None else None
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        problem = "; ".join(p for p in (error.context, error.problem) if p)
+        doc.issue((), f"invalid YAML: {problem}", mark)
+        raise WorkflowValidationError(doc.issues) from None
+    except yaml.YAMLError as error:
+        doc.issue((), f"invalid YAML: {error}")
+        raise WorkflowValidationError(doc.issues) from None
+    if not isinstance(data, dict):
+        keys = ", ".join(_keys_of(WorkflowSpec))
+        doc.issue((), f"a workflow is a YAML mapping with the keys {keys}; found {type(data).__name__}")
+    if doc.issues:
+        raise WorkflowValidationError(doc.issues)
+    try:
+        spec = WorkflowSpec.model_validate(data).with_base_dir(base_dir)
+    except ValidationError as error:
+        _pydantic_issues(doc, error)
+        raise WorkflowValidationError(doc.issues) from None
+    for loc, message in check_graph(spec):
+        doc.issue(loc, message)
+    spec = _check_functions(doc, spec, check_handlers)
+    if doc.issues:
+        raise WorkflowValidationError(doc.issues)
+    return spec
+
+
+def validate_file(path: str | Path, *, check_handlers: bool = True) -> WorkflowSpec:
+    """Load and validate a workflow YAML file (the CLI's `streambox validate`)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise WorkflowValidationError(
+            [Issue(str(path), None, None, "", error.strerror or str(error))]
+        ) from None
+    except UnicodeDecodeError:
+        raise WorkflowValidationError([Issue(str(path), None, None, "", "not a UTF-8 text file")]) from None
+    return parse_spec(text, str(path), path.resolve().parent, check_handlers=check_handlers)
