@@ -76,6 +76,55 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Check workflow YAML files; every mistake is reported with file, line and field."""
+    from streambox.workflows.commands import resolve_workflow_path
+    from streambox.workflows.validation import validate_file
+
+    for path in args.paths:
+        spec = validate_file(resolve_workflow_path(path))
+        counts = f"{len(spec.functions)} functions, {len(spec.edges)} edges"
+        print(f"{path}: workflow {spec.name!r} is valid: {counts}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve workflows through the HTTP gateway, one API proxy per workflow."""
+    from streambox.api_proxy.invoker import ProxyInvoker
+    from streambox.workflows.commands import serve
+
+    serve(
+        args.paths,
+        host=args.host,
+        port=args.port,
+        system=args.system,
+        config=_config(args),
+        invoker_factory=ProxyInvoker.factory(),
+        on_ready=lambda url: print(f"serving on {url} (Ctrl-C stops)", flush=True),
+        small=args.small,
+    )
+    return 0
+
+
+def cmd_invoke(args: argparse.Namespace) -> int:
+    """One request through a running gateway; prints the JSON response."""
+    import json
+
+    from streambox.workflows.commands import GatewayUnreachable, invoke, load_event
+    from streambox.workflows.examples import sample_event
+
+    if (args.input is None) == (not args.sample):
+        raise ValueError("give exactly one of --input FILE or --sample")
+    event = load_event(args.input) if args.input else sample_event(args.name, args.seed)
+    try:
+        response = invoke(args.name, event, url=args.url, timeout_s=args.timeout)
+    except GatewayUnreachable as error:
+        print(f"streambox invoke: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(response.body, indent=1))
+    return 0 if response.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streambox",
@@ -107,6 +156,34 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--input-shape", help="input shape without the batch, e.g. 3x224x224")
     compile_.add_argument("--no-nvcc", action="store_true", help="emit CUDA C only")
     compile_.set_defaults(handler=cmd_compile)
+
+    validate = commands.add_parser(
+        "validate", help="check workflow YAML files (file, line and field on errors)"
+    )
+    validate.add_argument("paths", nargs="+", help="workflow YAML files or bundled workflow names")
+    validate.set_defaults(handler=cmd_validate)
+
+    serve = commands.add_parser("serve", help="serve workflows over HTTP, one API proxy per workflow")
+    _add_device_options(serve)
+    serve.add_argument("paths", nargs="+", help="workflow YAML files or bundled workflow names")
+    serve.add_argument("--system", default="streambox", help="streambox (default) or stream-only")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--small", action="store_true", help="use the zoo's small input shapes")
+    serve.set_defaults(handler=cmd_serve)
+
+    invoke = commands.add_parser("invoke", help="send one request to a running gateway")
+    invoke.add_argument("name", help="workflow name")
+    invoke.add_argument("--input", help="JSON file holding the event")
+    invoke.add_argument("--sample", action="store_true", help="send a seeded synthetic event instead")
+    invoke.add_argument("--seed", type=int, default=0)
+    invoke.add_argument("--url", default="http://127.0.0.1:8080")
+    invoke.add_argument("--timeout", type=float, default=None, help="seconds")
+    invoke.set_defaults(handler=cmd_invoke)
+
+    from streambox.replay.cli import add_commands as add_replay_commands
+
+    add_replay_commands(commands)
     return parser
 
 

@@ -47,6 +47,9 @@ def resolve_workflow_path(path_or_example: str | Path) -> Path:
     path = Path(path_or_example)
     if not path.exists() and str(path_or_example) in EXAMPLES:
         return example_path(str(path_or_example))
+    if not path.exists():
+        known = ", ".join(EXAMPLES)
+        raise ValueError(f"{path}: no such file, and no bundled workflow of that name ({known})")
     return path
 
 
