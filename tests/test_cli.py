@@ -62,3 +62,22 @@ def test_unavailable_cuda_backend_is_one_clear_line(capsys):
         pytest.skip("a GPU is present")
     assert main(["devices", "--backend", "cuda"]) == 2
     assert "CUDA backend unavailable" in capsys.readouterr().err
+
+
+def test_validate_accepts_the_bundled_workflows(capsys):
+    assert main(["validate", "traffic", "image-processing", "social-media"]) == 0
+    out = capsys.readouterr().out
+    assert "workflow 'traffic' is valid: 3 functions, 2 edges" in out
+
+
+def test_validate_names_file_line_and_field(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: demo\nslo_ms: fast\nfunctions: {}\n")
+    assert main(["validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.yaml:2:" in err and "slo_ms" in err and "Traceback" not in err
+
+
+def test_validate_missing_file_lists_bundled_workflows(capsys):
+    assert main(["validate", "nope.yaml"]) == 2
+    assert "traffic" in capsys.readouterr().err
