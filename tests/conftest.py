@@ -3,7 +3,10 @@ model pool in a tmp dir, so that each (model, batch, shape) is lowered at most o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 from torch import nn
@@ -32,3 +35,24 @@ def pool(tmp_path_factory: pytest.TempPathFactory, zoo_model: Callable[[str], nn
         return lower_module(zoo_model(name), example_input(name, batch, shape), name)
 
     return ModelPool(tmp_path_factory.mktemp("model_pool"), lower_fn=lower)
+
+
+@contextmanager
+def no_new_threads(prefix: str, grace_s: float = 5.0) -> Iterator[None]:
+    """Fail if threads named `prefix...` started inside the block are still running `grace_s` after it."""
+
+    def named() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith(prefix)}
+
+    before = named()
+    yield
+    deadline = time.monotonic() + grace_s
+    while (left := named() - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not left, f"threads left running: {sorted(t.name for t in left)}"
+
+
+@pytest.fixture(scope="session")
+def thread_guard() -> Callable[..., object]:
+    """`with thread_guard(prefix): ...` fails if threads named prefix... outlive the block."""
+    return no_new_threads

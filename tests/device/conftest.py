@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -52,18 +51,10 @@ def rt(backend):
     runtime.close()
 
 
-def _emulator_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("streambox-emu-")]
-
-
 @pytest.fixture(autouse=True)
-def no_leftover_threads():
-    before = set(_emulator_threads())
-    yield
-    deadline = time.monotonic() + 5
-    while (left := set(_emulator_threads()) - before) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not left, f"threads left running: {sorted(t.name for t in left)}"
+def no_leftover_threads(thread_guard):
+    with thread_guard("streambox-emu-"):
+        yield
 
 
 def hold(runtime, stream):

@@ -4,7 +4,6 @@ and timing of copies are unambiguous while the host keeps up with it."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -46,18 +45,10 @@ def rt(tmp_path, spec):
     assert backend.device_usage()[0].used_memory == 0
 
 
-def _daemon_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("streambox-io-daemon")]
-
-
 @pytest.fixture(autouse=True)
-def no_leftover_daemons():
-    before = set(_daemon_threads())
-    yield
-    deadline = time.monotonic() + 5
-    while (left := set(_daemon_threads()) - before) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not left, f"daemon threads left running: {sorted(t.name for t in left)}"
+def no_leftover_daemons(thread_guard):
+    with thread_guard("streambox-io-daemon"):
+        yield
 
 
 def hold(runtime, stream):
