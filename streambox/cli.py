@@ -90,8 +90,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve workflows through the HTTP gateway, one API proxy per workflow."""
-    from streambox.api_proxy.invoker import ProxyInvoker
     from streambox.workflows.commands import serve
+    from streambox.workflows.proxy_invoker import ProxyInvoker
 
     serve(
         args.paths,

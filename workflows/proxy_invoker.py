@@ -21,14 +21,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from streambox.api_proxy.control import AsyncProxyClient, ProxyProcess, launch_proxy
+from streambox.api_proxy.errors import FunctionFailed, FunctionTimeout, ProxyError
+from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_PROXIES_PER_DEVICE, WarmProxies
+from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
 from streambox.config import Config
-from streambox.workflows.invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
-from streambox.workflows.spec import WorkflowSpec
 
-from .control import AsyncProxyClient, ProxyProcess, launch_proxy
-from .errors import FunctionFailed, FunctionTimeout, ProxyError
-from .keepalive import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_PROXIES_PER_DEVICE, WarmProxies
-from .proxy_config import FunctionSpec, ProxyConfig
+from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
+from .spec import WorkflowSpec
 
 #: Extra time the invoker waits for the proxy's answer beyond the invocation's own timeout.
 ANSWER_MARGIN_S = 30.0

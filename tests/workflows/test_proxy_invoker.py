@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import textwrap
 
-from streambox.api_proxy.invoker import ProxyInvoker
 from streambox.config import Config
 from streambox.workflows import Engine, parse_spec
+from streambox.workflows.proxy_invoker import ProxyInvoker
 
 HANDLERS = textwrap.dedent(
     """
