@@ -246,7 +246,7 @@ async def execute_async(config: ReplayConfig, target: Target | None = None) -> R
     if target is None:
         request = SystemRequest(
             config.system, tuple(config.workflows), _profiles(workload), dict(config.system_options),
-            config.seed, config.slo_ms / 1e3,
+            config.seed, config.slo_ms / 1e3, config.minute_seconds / 60.0,
         )
         target = resolve_system(config.system, request)
     run_dir = Path(config.out)

@@ -26,7 +26,7 @@ SAMPLE_KEYS = {
 }
 COMPONENT_PREFIX = "memory."
 
-#: Systems the replay is meant to compare; the lead wires them to targets (see docs/replay.md).
+#: The systems the replay compares (registered below; see replay/systems.py).
 PLANNED_SYSTEMS = ("streambox", "stream-only", "monolithic")
 
 
@@ -86,6 +86,7 @@ class SystemRequest:
     options: Mapping[str, str] = field(default_factory=dict)  # --set KEY=VALUE (ablation flags, ...)
     seed: int = 0
     slo_s: float = 0.2
+    time_scale: float = 1.0  # replay seconds per trace second (--minute-seconds / 60)
 
 
 SystemFactory = Callable[[SystemRequest], Target]
@@ -137,4 +138,22 @@ register_system(
     "streambox.replay.inprocess:make_inprocess_target",
     "reference target in this process: numpy 'models' on a CPU thread pool with keep-alive "
     "(for checking the harness; not one of the systems under test)",
+)
+register_system(
+    "streambox",
+    "streambox.replay.systems:make_streambox_target",
+    "StreamBox: one API proxy per workflow, a stream per function instance, memory pool fm+rs, "
+    "IO daemon, communication store in GPU memory",
+)
+register_system(
+    "stream-only",
+    "streambox.replay.systems:make_stream_only_target",
+    "the proxy with StreamBox's mechanisms off: runtime sharing through streams only "
+    "(static caching pool, FIFO copies)",
+)
+register_system(
+    "monolithic",
+    "streambox.replay.systems:make_monolithic_target",
+    "one process and one runtime per function instance, its own model copy, keep-alive, "
+    "data between functions through Redis (Func-IPC)",
 )

@@ -1,0 +1,275 @@
+"""The systems under test: `streambox`, `stream-only` and `monolithic`, each running the real workflow.
+
+All three run the same workflow (a shipped example such as Traffic, or a YAML file) through the same
+workflow engine on the same arrivals; only the invoker below the engine differs:
+
+- `streambox`: one API proxy process per workflow (`ProxyInvoker`): function instances forked from a
+  warm template, one stream each; memory pool fm+rs, IO daemon, communication store in GPU memory.
+- `stream-only`: the same proxy with StreamBox's mechanisms off (static caching pool, FIFO copies):
+  the paper's ablation preset. Runtime sharing is what is left.
+- `monolithic`: one process and one device runtime per function instance, its own model copy,
+  keep-alive, intermediate data through Redis (`workflows.monolithic.MonolithicInvoker`).
+
+Each request is a seeded synthetic input of the workflow (`workflows.examples.sample_event`), the
+same for every system. The trace decides when requests come, not what they compute.
+
+Memory is read where nvidia-smi would read it: every run gets an emulated device ledger of its own
+(a fresh state directory), so the device's used bytes are exactly this system's runtimes, pools and
+contexts. Components (contexts, weights, other allocated data, cached pool bytes) come from what the
+proxies or instances report.
+
+Options (`--set KEY=VALUE`), common to the three:
+  `inputs`       small | full: the zoo's small input shapes (default; what 2 CPU cores can replay in
+                 minutes) or the YAML's realistic sizes. Weights are full size either way.
+  `keep_alive_s` how long an idle instance stays warm. Default: the paper's 10 minutes in trace time,
+                 i.e. 600 s times the replay's time compression (`--minute-seconds` / 60).
+  `variants`     how many different synthetic inputs are cycled through (default 4).
+Proxy systems also take the proxy's ablation switches (`pool_mode`, `io_daemon`, ...: see
+docs/api_proxy.md); `monolithic` takes `prewarm` (instances per function started before the run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from streambox.config import Config
+from streambox.workflows.engine import Engine
+from streambox.workflows.invoker import Invoker
+from streambox.workflows.spec import WorkflowSpec
+
+from .target import Outcome, SystemRequest
+
+#: The paper's keep-alive (10 minutes of trace time).
+PAPER_KEEP_ALIVE_S = 600.0
+COMMON_OPTIONS = ("inputs", "keep_alive_s", "variants")
+INPUTS = ("small", "full")
+
+
+@dataclass(frozen=True)
+class WorkflowOptions:
+    """What every workflow-running system takes from `--set`; the rest goes to the invoker."""
+
+    inputs: str = "small"
+    keep_alive_s: float = PAPER_KEEP_ALIVE_S
+    variants: int = 4
+
+    @classmethod
+    def split(
+        cls, system: str, options: Mapping[str, str], time_scale: float
+    ) -> tuple[WorkflowOptions, dict[str, str]]:
+        """(common options, the invoker's own options), with errors that name the key."""
+        rest = {k: v for k, v in options.items() if k not in COMMON_OPTIONS}
+        inputs = options.get("inputs", "small")
+        if inputs not in INPUTS:
+            raise ValueError(f"{system}: --set inputs={inputs!r} is not one of {', '.join(INPUTS)}")
+        try:
+            keep_alive = float(options.get("keep_alive_s", PAPER_KEEP_ALIVE_S * time_scale))
+            variants = int(options.get("variants", 4))
+        except ValueError as error:
+            raise ValueError(f"{system}: keep_alive_s is a number of seconds, variants an integer: {error}")
+        if keep_alive < 0 or variants < 1:
+            raise ValueError(f"{system}: keep_alive_s must be >= 0 and variants >= 1")
+        return cls(inputs, keep_alive, variants), rest
+
+
+def load_workflow(name: str, small: bool) -> tuple[WorkflowSpec, Callable[[int], dict[str, Any]]]:
+    """A shipped example by name (traffic, image-processing, social-media) or a YAML file, and a
+    seeded input maker. A YAML file that is not an example must say how to make inputs: it gets the
+    Traffic-style image event (`{"image": ...}`), which is what the example handlers read."""
+    from streambox.workflows.examples import EXAMPLES, load_example, sample_event
+    from streambox.workflows.validation import validate_file
+
+    if name in EXAMPLES:
+        return load_example(name, small=small), lambda seed: sample_event(name, seed)
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"workflow {name!r} is neither a shipped example ({', '.join(EXAMPLES)}) nor a file")
+    return validate_file(path), lambda seed: sample_event("traffic", seed)
+
+
+class WorkflowTarget:
+    """A `Target` that runs real workflow requests through the engine over one system's invoker."""
+
+    def __init__(
+        self,
+        name: str,
+        request: SystemRequest,
+        make_invoker: Callable[[Config, WorkflowOptions, dict[str, str]], Invoker],
+        memory: Callable[[Invoker], dict[str, float]],
+    ) -> None:
+        self.name = name
+        self.request = request
+        self.options, self.invoker_options = WorkflowOptions.split(name, request.options, request.time_scale)
+        self._make_invoker = make_invoker
+        self._memory = memory
+        self._state_dir: Path | None = None
+        self._config: Config | None = None
+        self._backend: Any = None
+        self._engine: Engine | None = None
+        self._inputs: dict[str, list[dict[str, Any]]] = {}
+        self._specs: dict[str, WorkflowSpec] = {}
+        self._context_bytes = 0
+
+    async def start(self) -> None:
+        # A ledger of its own: the device's used bytes are this system's and nothing else's.
+        self._state_dir = Path(tempfile.mkdtemp(prefix=f"sbx-replay-{self.name}-"))
+        self._config = Config.from_env().with_overrides(state_dir=self._state_dir / "state")
+        self._backend = self._config.open_backend()
+        spec = getattr(self._backend, "spec", None)
+        self._context_bytes = int(getattr(spec, "context_memory", 0))
+        small = self.options.inputs == "small"
+        for workflow in self.request.workflows:
+            spec_, make = load_workflow(workflow, small)
+            self._specs[workflow] = spec_
+            self._inputs[workflow] = [make(seed) for seed in range(self.options.variants)]
+        invoker = self._make_invoker(self._config, self.options, self.invoker_options)
+        self._engine = Engine(invoker)
+        try:
+            for spec_ in self._specs.values():
+                await self._engine.deploy(spec_)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def send(self, workflow: str, event: dict[str, Any]) -> Outcome:
+        if self._engine is None:
+            raise RuntimeError(f"{self.name}: send() before start()")
+        spec = self._specs.get(workflow)
+        if spec is None:
+            raise KeyError(f"{self.name}: workflow {workflow!r} is not deployed; deployed: {list(self._specs)}")
+        inputs = self._inputs[workflow]
+        request = inputs[int(event.get("request_id", 0)) % len(inputs)]
+        result = await self._engine.run(spec.name, request)
+        return Outcome(
+            latency_s=result.latency_s,
+            status=result.status,
+            cold_start=result.cold_starts > 0,
+            error=None if result.ok else f"{result.failed_call or ''}: {result.error}".lstrip(": "),
+        )
+
+    def sample(self) -> dict[str, float]:
+        if self._backend is None or self._engine is None:
+            return {}
+        usage = self._backend.device_usage()
+        used = float(sum(u.used_memory for u in usage))
+        runtimes = sum(u.runtimes for u in usage)
+        parts = self._memory(self._engine.invoker)
+        sample = {
+            "memory_used_bytes": used,
+            "runtimes": float(runtimes),
+            "streams": float(sum(u.streams for u in usage)),
+            "memory.context_bytes": float(runtimes * self._context_bytes),
+        }
+        reserved, allocated = parts.pop("pool_reserved_bytes", None), parts.pop("pool_used_bytes", None)
+        weights = parts.pop("weights_bytes", None)
+        if reserved is not None and allocated is not None:
+            sample["pool_bytes"] = reserved
+            sample["demand_bytes"] = allocated
+            sample["memory.cached_bytes"] = max(reserved - allocated, 0.0)
+            if weights is not None:
+                sample["memory.weights_bytes"] = weights
+                sample["memory.data_bytes"] = max(allocated - weights, 0.0)
+        sample.update(parts)
+        return sample
+
+    def describe(self) -> dict[str, Any]:
+        invoker = self._engine.invoker if self._engine is not None else None
+        described = getattr(invoker, "describe", None)
+        return {
+            "target": self.name,
+            "inputs": self.options.inputs,
+            "keep_alive_s": self.options.keep_alive_s,
+            "variants": self.options.variants,
+            "invoker_options": dict(self.invoker_options),
+            "device": (self._config.backend, self._config.device_preset) if self._config else None,
+            "invoker": described() if callable(described) else type(invoker).__name__,
+        }
+
+    async def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            await engine.close()
+        if self._state_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, self._state_dir, True)
+            self._state_dir = None
+
+
+# -- streambox and stream-only: the API proxy -------------------------------------------------------
+
+
+def _proxy_invoker(system: str) -> Callable[[Config, WorkflowOptions, dict[str, str]], Invoker]:
+    def make(config: Config, options: WorkflowOptions, rest: dict[str, str]) -> Invoker:
+        from streambox.workflows.proxy_invoker import ProxyInvoker
+
+        return ProxyInvoker(
+            config,
+            system=system,
+            keep_alive_s=options.keep_alive_s,
+            stats_period_s=0.25,
+            proxy_options=_proxy_options(system, rest),
+        )
+
+    return make
+
+
+def _proxy_options(system: str, options: dict[str, str]) -> dict[str, Any]:
+    """`--set` strings to ProxyConfig fields (the proxy validates names and values)."""
+    if not options:
+        return {}
+    from streambox.api_proxy import proxy_config
+
+    parse = getattr(proxy_config, "ablation_options", None)
+    if parse is None:
+        raise ValueError(f"{system}: this build takes no proxy options; got {sorted(options)}")
+    return dict(parse(options))
+
+
+def _proxy_memory(invoker: Invoker) -> dict[str, float]:
+    """Pool, weights and instances summed over the invoker's proxies, as they reported last."""
+    totals = {"pool_reserved_bytes": 0.0, "pool_used_bytes": 0.0, "weights_bytes": 0.0, "instances": 0.0}
+    for wf in list(getattr(invoker, "_workflows", {}).values()):
+        stats = wf.stats
+        if not stats:
+            continue
+        totals["pool_reserved_bytes"] += stats["pool"]["reserved_bytes"]
+        totals["pool_used_bytes"] += stats["pool"]["allocated_bytes"]
+        totals["weights_bytes"] += stats.get("models_resident_bytes", 0)
+        totals["instances"] += sum(f["instances"] for f in stats["functions"].values())
+    return totals
+
+
+def make_streambox_target(request: SystemRequest) -> WorkflowTarget:
+    return WorkflowTarget("streambox", request, _proxy_invoker("streambox"), _proxy_memory)
+
+
+def make_stream_only_target(request: SystemRequest) -> WorkflowTarget:
+    return WorkflowTarget("stream-only", request, _proxy_invoker("stream-only"), _proxy_memory)
+
+
+# -- monolithic: a process and a runtime per instance ----------------------------------------------
+
+
+def _monolithic_invoker(config: Config, options: WorkflowOptions, rest: dict[str, str]) -> Invoker:
+    from streambox.workflows.monolithic import MonolithicInvoker
+
+    known = ("prewarm",)
+    unknown = sorted(set(rest) - set(known))
+    if unknown:
+        raise ValueError(f"monolithic: unknown options {unknown}; known: {', '.join(known + COMMON_OPTIONS)}")
+    return MonolithicInvoker(config, keep_alive_s=options.keep_alive_s, prewarm=int(rest.get("prewarm", 0)))
+
+
+def _monolithic_memory(invoker: Invoker) -> dict[str, float]:
+    parts = dict(invoker.memory_breakdown())  # type: ignore[attr-defined]
+    parts.pop("context_bytes", None)  # counted from the ledger's runtimes, as for the proxies
+    return {k: float(v) for k, v in parts.items()}
+
+
+def make_monolithic_target(request: SystemRequest) -> WorkflowTarget:
+    return WorkflowTarget("monolithic", request, _monolithic_invoker, _monolithic_memory)

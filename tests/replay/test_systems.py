@@ -1,0 +1,73 @@
+"""The systems under test as replay targets: options, and short real replays through the API proxy."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from streambox.replay.run import run_comparison
+from streambox.replay.systems import PAPER_KEEP_ALIVE_S, WorkflowOptions, WorkflowTarget, load_workflow
+from streambox.replay.target import SystemRequest, known_systems, resolve_system
+
+
+def test_the_three_systems_are_registered() -> None:
+    assert {"streambox", "stream-only", "monolithic"} <= set(known_systems())
+    for name in ("streambox", "stream-only", "monolithic"):
+        target = resolve_system(name, SystemRequest(name, ("traffic",)))
+        assert isinstance(target, WorkflowTarget) and target.name == name
+
+
+def test_keep_alive_follows_the_time_compression() -> None:
+    options, rest = WorkflowOptions.split("streambox", {}, time_scale=1 / 60)
+    assert options.keep_alive_s == pytest.approx(PAPER_KEEP_ALIVE_S / 60)
+    assert options.inputs == "small" and rest == {}
+    options, rest = WorkflowOptions.split("streambox", {"keep_alive_s": "3", "pool_mode": "fm"}, 1.0)
+    assert options.keep_alive_s == 3.0 and rest == {"pool_mode": "fm"}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"inputs": "huge"}, "inputs='huge' is not one of small, full"), ({"variants": "x"}, "variants")],
+)
+def test_bad_options_name_the_key(options: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WorkflowOptions.split("streambox", options, 1.0)
+
+
+def test_unknown_workflow_names_the_examples(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="traffic"):
+        load_workflow(str(tmp_path / "nope.yaml"), small=True)
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_streambox_and_stream_only_replay_a_real_workflow(tmp_path: Path) -> None:
+    results, _ = run_comparison(
+        ["streambox", "stream-only"],
+        out=tmp_path,
+        workflow="image-processing",
+        minutes=30,
+        minute_seconds=0.05,
+        max_requests=3,
+        sample_interval_s=0.1,
+        progress=False,
+    )
+    for result in results:
+        summary = result.summary
+        assert summary["requests"]["by_status"] == {"ok": 3}, summary
+        config = json.loads((result.run_dir / "config.json").read_text())
+        assert config["system_config"]["target"] == result.config.system
+        samples = _rows(result.run_dir / "samples.csv")
+        used = max(float(s["memory_used_bytes"]) for s in samples)
+        context = max(float(s["memory.context_bytes"]) for s in samples)
+        weights = max(float(s.get("memory.weights_bytes") or 0) for s in samples)
+        # One proxy: one context on the device, the workflow's weights resident beside it.
+        assert max(float(s["runtimes"]) for s in samples) == 1
+        assert used >= context + weights > context > 0
+    assert any((tmp_path / "report").glob("*.png"))
