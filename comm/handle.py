@@ -18,7 +18,13 @@ if TYPE_CHECKING:
 
 
 class Allocator(Protocol):
-    """Where the store takes device bytes from: the memory pool's stream-ordered interface."""
+    """Where the store takes device bytes from: the memory pool's stream-ordered interface.
+
+    Two optional methods are used when present (`DeviceMemoryPool` has both): `fence(stream)` after
+    each free (the store's free streams never allocate, so there is no reuse to wait for), and
+    `retire_stream(stream)` before the store destroys one of its streams (the frees still tracked on
+    it are given back and the allocator forgets the stream).
+    """
 
     def allocate(self, nbytes: int, stream: Stream) -> int: ...
 

@@ -91,7 +91,9 @@ class _Lease:
     handle: weakref.ref[Handle] | None = None
 
 
-IdleSource = IdlePredictor | Mapping[int, float] | None
+#: Idle memory per GPU: one predictor for all GPUs, a value or a predictor per GPU (e.g. the memory
+#: pool's `memory_pool.idle.PoolIdleMemory` of that GPU's pool), or None (observed free memory).
+IdleSource = IdlePredictor | Mapping[int, float | IdlePredictor] | None
 
 
 class CommStore:
@@ -157,7 +159,11 @@ class CommStore:
         missing = sorted(set(self._rt) - set(values))
         if missing:
             raise ValueError(f"idle memory given for GPUs {sorted(values)}, missing {missing}")
-        return lambda gpu, now, window: values[gpu]
+        def per_gpu(gpu: int, now: float, window: float) -> float:
+            value = values[gpu]
+            return value(gpu, now, window) if callable(value) else value
+
+        return per_gpu
 
     def _observed_idle(self, gpu: int, now: float, window: float) -> float:
         """Fallback when no demand model is wired: free device memory now plus the store's own bytes
@@ -307,7 +313,14 @@ class CommStore:
         for event in buf.waits:
             stream.wait_event(event)
         buf.waits.clear()
-        self._alloc[buf.device].free(buf.address, stream)
+        alloc = self._alloc[buf.device]
+        alloc.free(buf.address, stream)
+        # A pool that defers fences (DeviceMemoryPool) does so for the freeing stream to reuse its own
+        # blocks; nothing allocates on a free stream, so fence now: the bytes are everyone's once the
+        # stream gets here.
+        fence = getattr(alloc, "fence", None)
+        if fence is not None:
+            fence(stream)
 
     # -- leases -----------------------------------------------------------------------------
     def _new_lease(self, buf: _Buffer, owner: str | None, ready: Event | None, now: float) -> _Lease:
@@ -849,9 +862,18 @@ class CommStore:
                 self._drop_lease(lease)
             self._leases.clear()
             self._cond.notify_all()
-        for streams in (self._copy_streams, self._free_streams):
-            for stream in streams.values():
+        self._retire_streams()
+
+    def _retire_streams(self) -> None:
+        """Destroy the store's streams without leaving the allocators a reference to one: first every
+        stream reaches its work (the frees issued on it included), then an allocator that tracks frees
+        per stream (`retire_stream`, as `DeviceMemoryPool` does) gives them back and forgets it."""
+        for gpu in self._rt:
+            retire = getattr(self._alloc[gpu], "retire_stream", None)
+            for stream in (self._copy_streams[gpu], self._free_streams[gpu]):
                 stream.synchronize()
+                if retire is not None:
+                    retire(stream)
                 stream.destroy()
 
     def __enter__(self) -> CommStore:

@@ -339,6 +339,37 @@ class DeviceMemoryPool:
                 self._fence_locked(frees, event)
             self._collect_locked()
 
+    def retire_stream(self, stream: Stream, timeout_s: float | None = None) -> bool:
+        """`stream` is about to be destroyed: fence its frees, wait until it reaches them, give the
+        blocks back to every stream and forget the stream, so no pending block refers to it.
+
+        Call it after the last free on `stream` and before `stream.destroy()`. Returns False (and
+        keeps tracking the stream, whose blocks then stay pending) when the stream did not get there
+        within `timeout_s` (default: `oom_wait_s`, at least 1 s); never a `synchronize`, so the
+        stream's kernel errors stay its owner's.
+        """
+        timeout_s = max(self.config.oom_wait_s, 1.0) if timeout_s is None else timeout_s
+        with self._lock:
+            frees = self._streams.get(stream)
+            if frees is None:
+                return True
+            self._fence_locked(frees, None)
+            waiting = [event for event, _ in frees.fenced]
+        for event in waiting:
+            if not _wait(event, timeout_s):
+                return False
+        with self._lock:
+            self._collect_stream(frees)
+            if frees.idle and self._streams.get(stream) is frees:
+                del self._streams[stream]
+            self._update_metrics()
+            return stream not in self._streams
+
+    def tracked_streams(self) -> list[Stream]:
+        """Streams with frees not yet given back to every stream (pending, or fenced in flight)."""
+        with self._lock:
+            return [s for s, frees in self._streams.items() if not frees.idle]
+
     def _pop_live(self, address: int) -> int:
         try:
             return self._live.pop(address)

@@ -43,6 +43,7 @@ __all__ = [
     "ScalingConfig",
     "ScalingDecision",
     "decide_pool_size",
+    "function_demands",
     "index_profiles",
 ]
 
@@ -243,6 +244,39 @@ class ScalingDecision:
         return self.delta_bytes < 0
 
 
+def function_demands(
+    now: float,
+    positions: Sequence[FunctionPosition],
+    profiles: Mapping[ProfileKey, ModelProfile],
+    horizon_s: float,
+) -> tuple[FunctionDemand, ...]:
+    """Each running function's m_c and m_next over [now, now + horizon_s] (the module's timing).
+
+    The demand model shared by Algorithm 1 (`decide_pool_size`) and the communication store's idle
+    memory (`memory_pool.idle`). Raises KeyError for a position without a profile.
+    """
+    demands = []
+    for pos in positions:
+        profile = profiles.get(pos.key)
+        if profile is None:
+            known = sorted(f"{m}@{b}" for m, b in profiles)
+            raise KeyError(
+                f"no profile for model {pos.model!r} at batch {pos.batch} (instance {pos.instance!r});"
+                f" profiled: {known}"
+            )
+        n = len(profile.kernels)
+        if not 0 <= pos.kernel < n:
+            raise ValueError(
+                f"instance {pos.instance!r} is at kernel {pos.kernel}, but {pos.model} "
+                f"(batch {pos.batch}) has kernels 0..{n - 1}"
+            )
+        last = profile.last_kernel_within(pos.kernel, now - pos.kernel_started_at, horizon_s)
+        m_c = profile.kernels[pos.kernel].live_bytes
+        m_next = profile.max_live(pos.kernel, last)
+        demands.append(FunctionDemand(pos.instance, pos.model, pos.batch, pos.kernel, last, m_c, m_next))
+    return tuple(demands)
+
+
 def decide_pool_size(
     now: float,
     positions: Sequence[FunctionPosition],
@@ -259,32 +293,9 @@ def decide_pool_size(
     cfg = config or ScalingConfig()
     if pool_bytes < 0 or fixed_bytes < 0:
         raise ValueError(f"pool_bytes and fixed_bytes must be >= 0, got {pool_bytes}, {fixed_bytes}")
-    horizon = cfg.t_interval_s
-    m_c_sum = 0
-    m_next_sum = 0
-    demands = []
-    for pos in positions:
-        profile = profiles.get(pos.key)
-        if profile is None:
-            known = sorted(f"{m}@{b}" for m, b in profiles)
-            raise KeyError(
-                f"no profile for model {pos.model!r} at batch {pos.batch} (instance {pos.instance!r});"
-                f" profiled: {known}"
-            )
-        n = len(profile.kernels)
-        if not 0 <= pos.kernel < n:
-            raise ValueError(
-                f"instance {pos.instance!r} is at kernel {pos.kernel}, but {pos.model} "
-                f"(batch {pos.batch}) has kernels 0..{n - 1}"
-            )
-        last = profile.last_kernel_within(pos.kernel, now - pos.kernel_started_at, horizon)
-        m_c = profile.kernels[pos.kernel].live_bytes
-        m_next = profile.max_live(pos.kernel, last)
-        m_c_sum += m_c
-        m_next_sum += m_next
-        demands.append(
-            FunctionDemand(pos.instance, pos.model, pos.batch, pos.kernel, last, m_c, m_next)
-        )
+    demands = function_demands(now, positions, profiles, cfg.t_interval_s)
+    m_c_sum = sum(d.current_bytes for d in demands)
+    m_next_sum = sum(d.next_bytes for d in demands)
     raw = max(m_c_sum, m_next_sum) + fixed_bytes + cfg.headroom_bytes
     q = cfg.quantum_bytes
     target = max(-(-raw // q) * q, cfg.min_pool_bytes)
@@ -297,5 +308,5 @@ def decide_pool_size(
         current_demand=m_c_sum,
         next_demand=m_next_sum,
         fixed_bytes=fixed_bytes,
-        functions=tuple(demands),
+        functions=demands,
     )

@@ -11,23 +11,12 @@ from hypothesis import strategies as st
 
 from streambox.device.base import InvalidAddress, OutOfDeviceMemory
 from streambox.device.emulated import EmulatedBackend
-from streambox.device.specs import V100_16GB
 from streambox.memory_pool.metrics import PoolMetrics
 from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig, PoolOutOfMemory, chunk_size_for
 
+from .conftest import small_spec
+
 MiB = 1 << 20
-
-
-def small_spec(total: int = 64 * MiB):
-    return V100_16GB.with_overrides(total_memory=total, context_create_s=0.0, context_memory=0)
-
-
-@pytest.fixture
-def runtime(tmp_path):
-    with EmulatedBackend(spec=small_spec(), state_dir=tmp_path / "state", timeline=False) as backend:
-        rt = backend.open_runtime(0)
-        yield rt
-        rt.close()
 
 
 def gate(runtime, stream) -> threading.Event:
@@ -322,3 +311,28 @@ def test_property_no_overlap_and_every_byte_back(tmp_path_factory, ops) -> None:
         pool.trim_to(0)
         assert pool.reserved_bytes == 0 and rt.allocated_bytes() == 0
         rt.close()
+
+
+def test_retire_stream_gives_its_frees_back_and_forgets_it(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(fence_bytes=1 << 40, fence_frees=1 << 20))
+    s, other = runtime.create_stream(), runtime.create_stream()
+    blocks = [pool.allocate(256 * 1024, s) for _ in range(4)]
+    reserved = pool.reserved_bytes
+    pool.free_many(blocks, s)  # pending on s, no fence yet
+    assert pool.tracked_streams() == [s]
+    opened = gate(runtime, s)  # s has not reached the frees: retiring waits for it, bounded
+    assert pool.retire_stream(s, timeout_s=0.01) is False
+    assert pool.tracked_streams() == [s]
+    opened.set()
+    assert pool.retire_stream(s) is True
+    assert pool.tracked_streams() == []
+    assert pool.stats().pending_free_bytes == 0 and pool.allocated_bytes == 0
+    s.destroy()
+    pool.collect()  # nothing left that could record on the destroyed stream
+    again = [pool.allocate(256 * 1024, other) for _ in range(4)]  # the bytes serve another stream
+    assert pool.reserved_bytes == reserved
+    assert pool.retire_stream(s) is True  # unknown stream: nothing to do
+    pool.free_many(again, other)
+    assert pool.retire_stream(other) is True
+    other.destroy()
+    pool.close()
