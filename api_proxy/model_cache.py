@@ -5,9 +5,17 @@ same device copy of its weights (keyed by model name: plans of one model at othe
 input shapes share them):
 
 - `acquire(plan, stream)`: the first user allocates the weights (`allocate_weights`) and copies them
-  (`copy_weights`, replaceable by the IO daemon through `copy=`) on its stream and records a
-  *ready* event; every user's stream waits on that event, so no kernel reads a weight before it
-  has arrived. Users arriving during the load wait for its issue, not for the copy.
+  (`copy_weights`, replaceable through `copy=`) on its stream and records a *ready* event; every
+  user's stream waits on that event, so no kernel reads a weight before it has arrived. Users
+  arriving during the load wait for its issue, not for the copy.
+- With `daemon=` (the proxy's `IODaemon`), the weights go through the daemon instead: allocated on
+  the cache's own stream (nothing runs there, so no pending kernel can still read a reused block),
+  submitted with `io_daemon.load_plan` under the queue key `weights:<model>` (so a large model's
+  blocks take turns with other models' and requests' copies), and a user's stream waits on the
+  submission's events. `acquire_pipelined(plan, stream)` also returns an `on_kernel` hook while the
+  load is still being issued: the run waits per layer (kernel i for the weights it is the first to
+  use) instead of for the whole model. A daemon in `stream-only` mode issues the copies straight to
+  the copy engine on the acquiring stream, in issue order.
 - `release(model, after=done)`: the user leaves once `after` (its run's `done` event) has
   completed; until then it still counts as a user, so a running kernel never loses its weights.
 - `expire()`: frees the weights of models idle for longer than `keep_alive_s` (the policy decides;
@@ -23,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from streambox.device import Event, Runtime, Stream
-from streambox.kernel_compiler.plan import KernelPlan
+from streambox.io_daemon import IODaemon, PlanLoad, load_plan
+from streambox.kernel_compiler.plan import Kernel, KernelPlan
 from streambox.memory_pool.mapping_table import WeightCache
 
 from .executor import Allocator, DeviceModel, allocate_weights, copy_weights, free_all, plan_key
@@ -31,6 +40,12 @@ from .executor import Allocator, DeviceModel, allocate_weights, copy_weights, fr
 __all__ = ["ModelCache"]
 
 CopyFn = Callable[[Runtime, DeviceModel, Stream], None]
+OnKernel = Callable[[int, Kernel], None]
+
+
+def weights_queue(model: str) -> str:
+    """The IO daemon's queue key for the weight copies of `model`."""
+    return f"weights:{model}"
 
 
 @dataclass
@@ -40,7 +55,9 @@ class _Resident:
     name: str
     loaded: threading.Event = field(default_factory=threading.Event)
     model: DeviceModel | None = None  # the first plan's, owning the weight buffers
-    ready: Event | None = None  # completes when the copies have arrived
+    ready: Event | None = None  # completes when the copies have arrived (direct copies)
+    load: PlanLoad | None = None  # the copies through the IO daemon
+    load_key: str = ""  # the plan whose kernel indices `load`'s layers are
     error: BaseException | None = None
     plans: dict[str, DeviceModel] = field(default_factory=dict)  # layout key -> model of that plan
 
@@ -60,6 +77,7 @@ class ModelCache:
         keep_alive_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         copy: CopyFn = copy_weights,
+        daemon: IODaemon | None = None,
     ) -> None:
         if keep_alive_s < 0:
             raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
@@ -68,6 +86,7 @@ class ModelCache:
         self.keep_alive_s = keep_alive_s
         self.clock = clock
         self.copy = copy
+        self.daemon = daemon
         self._policy = WeightCache()
         self._resident: dict[str, _Resident] = {}
         self._deferred: list[tuple[Event, str]] = []
@@ -79,6 +98,17 @@ class ModelCache:
     # -- users ----------------------------------------------------------------------------------
     def acquire(self, plan: KernelPlan, stream: Stream) -> DeviceModel:
         """The plan's model with resident weights; `stream` waits for them. Loads on first use."""
+        return self._acquire(plan, stream, pipelined=False)[0]
+
+    def acquire_pipelined(self, plan: KernelPlan, stream: Stream) -> tuple[DeviceModel, OnKernel | None]:
+        """As `acquire`, for a run of `plan` on `stream`: while the weights are still being issued by
+        the IO daemon, returns the executor's `on_kernel` hook that makes `stream` wait per layer (and
+        `stream` does not wait for the whole model); otherwise None (`stream` waits as in `acquire`)."""
+        return self._acquire(plan, stream, pipelined=True)
+
+    def _acquire(
+        self, plan: KernelPlan, stream: Stream, pipelined: bool
+    ) -> tuple[DeviceModel, OnKernel | None]:
         name = plan.model
         with self._lock:
             self._settle_locked()
@@ -89,14 +119,22 @@ class ModelCache:
                 resident = self._resident[name]
         if is_new:
             try:
-                model = allocate_weights(self.runtime, plan, self.allocator, stream)
+                # Through the daemon the copies run on its stream: allocate where nothing runs.
+                where = stream if self.daemon is None else self._stream
+                model = allocate_weights(self.runtime, plan, self.allocator, where)
+                ready: Event | None = None
+                load: PlanLoad | None = None
                 try:
-                    self.copy(self.runtime, model, stream)
+                    if self.daemon is None:
+                        self.copy(self.runtime, model, stream)
+                        ready = self.runtime.create_event(timing=False)
+                        ready.record(stream)
+                    else:
+                        addresses = {n: t.address for n, t in model.weights.items()}
+                        load = load_plan(self.daemon, weights_queue(name), plan, addresses, stream=stream)
                 except BaseException:
-                    free_all(self.allocator, [t.address for t in model.weights.values()], stream, fence=True)
+                    free_all(self.allocator, [t.address for t in model.weights.values()], where, fence=True)
                     raise
-                ready = self.runtime.create_event(timing=False)
-                ready.record(stream)
             except BaseException as exc:
                 with self._lock:
                     resident.error = exc
@@ -105,7 +143,8 @@ class ModelCache:
                     del self._resident[name]
                 resident.loaded.set()
                 raise
-            resident.model, resident.ready = model, ready
+            resident.model, resident.ready, resident.load = model, ready, load
+            resident.load_key = plan_key(plan)
             resident.plans[plan_key(plan)] = model
             self.loads += 1
             resident.loaded.set()
@@ -115,9 +154,29 @@ class ModelCache:
                 with self._lock:
                     self._release_locked(name)
                 raise RuntimeError(f"loading the weights of {name} failed") from resident.error
+        try:
+            hook = self._wait_loaded(resident, plan, stream, pipelined)
+            return self._plan_model(resident, plan), hook
+        except BaseException:
+            with self._lock:
+                self._release_locked(name)
+            raise
+
+    def _wait_loaded(
+        self, resident: _Resident, plan: KernelPlan, stream: Stream, pipelined: bool
+    ) -> OnKernel | None:
+        """Make `stream` wait for the weights (or return the per-layer hook, see `acquire_pipelined`)."""
+        load = resident.load
+        if load is None:
             assert resident.ready is not None
             stream.wait_event(resident.ready)
-        return self._plan_model(resident, plan)
+            return None
+        if load.ticket.error is not None:
+            raise RuntimeError(f"loading the weights of {resident.name} failed") from load.ticket.error
+        if pipelined and not load.ticket.issued and resident.load_key == plan_key(plan):
+            return load.on_kernel(stream)
+        load.wait_all(stream)  # blocks until the daemon has issued the last block, if it has not yet
+        return None
 
     def _plan_model(self, resident: _Resident, plan: KernelPlan) -> DeviceModel:
         base = resident.model
@@ -159,7 +218,13 @@ class ModelCache:
         with self._lock:
             self._settle_locked()
             now = self.clock() if now is None else now
-            return self._evict_locked(self._policy.expired(now, self.keep_alive_s), None)
+            expired = self._policy.expired(now, self.keep_alive_s)
+            failed = [  # idle models whose daemon load failed: dropped now, loaded again on next use
+                m
+                for m, r in self._resident.items()
+                if r.load is not None and r.load.ticket.error is not None and self._policy.users(m) == 0
+            ]
+            return self._evict_locked([*expired, *(m for m in failed if m not in expired)], None)
 
     def evict_idle(self, nbytes: int) -> int:
         """Free idle models (no user; oldest idle first) until `nbytes` are freed; returns bytes."""
@@ -180,7 +245,9 @@ class ModelCache:
             if budget is not None and freed >= budget:
                 break
             resident = self._resident[name]
-            if resident.ready is not None and not resident.ready.query():
+            if (resident.ready is not None and not resident.ready.query()) or (
+                resident.load is not None and not resident.load.ticket.settled
+            ):
                 continue  # copies still in flight (a load whose users all left early): next sweep
             if resident.model is not None:
                 freed += resident.nbytes

@@ -6,14 +6,17 @@
   and the communication store when it arrives);
 - `executor`: a `PlanExecutor` for the mode (static: up front; fm, fm+rs: lazy + eager), writing
   positions to `board`;
-- `models`: the `ModelCache` (shared weights, keep-alive), also the pool's pressure handler;
+- `models`: the `ModelCache` (shared weights, keep-alive), also the pool's pressure handler; with
+  `daemon=` (the proxy's `IODaemon`) the weights are copied through the daemon;
 - `scaler` (fm+rs only): the `ResilientScaler` thread, every T_interval/2 (with a floor);
   T_interval is measured on the runtime at start-up unless given;
 - a sweep thread (keep-alive expiry, collecting completed frees) and, for `recycler="thread"`, the
   background recycler.
 
 `infer(instance, plan, inputs, stream)` is one request of one function instance: acquire the model,
-run, release the model when the run is done.
+run, release the model when the run is done. A run that finds its model's weights still being
+loaded through the daemon waits for them layer by layer (pipelined loading: kernel i waits only for
+the weights it is the first to use).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streambox.device import Runtime, Stream
+from streambox.io_daemon import IODaemon
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.memory_pool.modes import PoolMode
 from streambox.memory_pool.periodic import PeriodicThread
@@ -63,9 +67,11 @@ class ProxyMemory:
         options: MemoryOptions | None = None,
         profiles: Iterable[Any] = (),
         profile_for: Callable[[KernelPlan], Any] | None = None,
+        daemon: IODaemon | None = None,
     ) -> None:
         """`profiles`: memory profiles with run times for the scaler; `profile_for(plan)` is asked once
-        per model and batch that `infer` meets without one (e.g. `ModelPool.profile`)."""
+        per model and batch that `infer` meets without one (e.g. `ModelPool.profile`); `daemon`: the
+        IO daemon the weights are loaded through (None: direct copies on the acquiring stream)."""
         self.options = options = options or MemoryOptions()
         self.profile_for = profile_for
         self._profiled: set[tuple[str, int]] = set()
@@ -76,7 +82,7 @@ class ProxyMemory:
         self.executor = PlanExecutor.for_mode(
             runtime, self.pool, self.mode, positions=self.board, recycler=options.recycler
         )
-        self.models = ModelCache(runtime, self.pool, keep_alive_s=options.keep_alive_s)
+        self.models = ModelCache(runtime, self.pool, keep_alive_s=options.keep_alive_s, daemon=daemon)
         self.pool.add_pressure_handler(self.models.evict_idle)
         self.scaler: ResilientScaler | None = None
         self.timing: ScalerTiming | None = None
@@ -145,7 +151,10 @@ class ProxyMemory:
     ) -> RunResult:
         """One request of `instance`: shared weights in, the plan run, the weights released after it."""
         self._ensure_profile(plan)
-        model = self.models.acquire(plan, stream)
+        model, loading = self.models.acquire_pipelined(plan, stream)
+        if loading is not None:  # the weights are still arriving: wait per layer, then the caller's hook
+            given = options.get("on_kernel")
+            options["on_kernel"] = loading if given is None else _chain(loading, given)
         try:
             result = self.executor.run(model, inputs, stream, instance=instance, **options)
         except BaseException:
@@ -171,3 +180,11 @@ class ProxyMemory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _chain(first: Callable[[int, Any], None], then: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+    def hook(index: int, kernel: Any) -> None:
+        first(index, kernel)
+        then(index, kernel)
+
+    return hook

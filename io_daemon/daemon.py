@@ -79,6 +79,7 @@ class Ticket:
         self._last: Event | None = None
         self._sync_event: Event | None = None  # stream-only: completion is this event's
         self._error: BaseException | None = None
+        self._settled = blocks == 0  # no block of it queued or in flight any more (daemon thread)
 
     def __repr__(self) -> str:
         return f"<Ticket {self.function!r} {self.blocks} blocks, {self._to_retire} outstanding>"
@@ -160,6 +161,21 @@ class Ticket:
         if self._sync_event is not None:
             return self._sync_event.query()
         return self._to_retire == 0 or self._error is not None
+
+    @property
+    def issued(self) -> bool:
+        """Every block has been issued (waiting for the last event would not block the host)."""
+        with self._cond:
+            return self._to_issue == 0
+
+    @property
+    def settled(self) -> bool:
+        """No copy of this submission is queued or in flight any more (completed, failed or dropped):
+        its destinations may be freed."""
+        if self._sync_event is not None:
+            return self._sync_event.query()
+        with self._cond:
+            return self._settled
 
 
 @dataclass
@@ -499,6 +515,7 @@ class IODaemon:
             sub.outstanding -= blocks
             if sub.outstanding == 0:
                 self._subs.pop(sub.id, None)
+                sub.ticket._settled = True
                 for buffer in sub.staging.values():
                     buffer.free()
                 sub.staging.clear()

@@ -220,3 +220,55 @@ def test_proxy_memory_runs_concurrent_functions_and_gives_every_byte_back(mode, 
             assert pm.scaler is not None and len(pm.scaler.decisions) > 0 and pm.timing.period_s == 0.005
             assert asked == ["text_encoder"] and ("text_encoder", 8) in pm.scaler.profiles
     assert runtime.allocated_bytes() == 0
+
+
+@pytest.mark.parametrize("daemon_mode", ["streambox", "stream-only"])
+def test_weights_load_through_the_io_daemon_and_runs_stay_exact(daemon_mode, pool, zoo_model, runtime):
+    """Every load's weight bytes go through the daemon (queue `weights:<model>`), a run that meets a
+    load still in flight waits per layer, and the outputs are those of eager torch."""
+    from streambox.api_proxy.model_cache import weights_queue
+    from streambox.io_daemon import DaemonConfig, IODaemon
+
+    config = DaemonConfig() if daemon_mode == "streambox" else DaemonConfig.stream_only()
+    # BT off and small blocks: a load takes many blocks, so runs often meet it mid-flight.
+    if daemon_mode == "streambox":
+        config = DaemonConfig.ablation(rz=False, bt=False)
+    plan = plan_of(pool, "resnet18", 1)
+    x = example_input("resnet18", 1, tuple(plan.input_shape))
+    with torch.no_grad():
+        want = zoo_model("resnet18")(x)
+    io = IODaemon(runtime, config)
+    options = MemoryOptions(mode=PoolMode.FM, keep_alive_s=0.0)
+    pipelined = 0
+    try:
+        with ProxyMemory(runtime, options, daemon=io) as pm:
+            acquire = pm.models.acquire_pipelined
+
+            def counting(plan, stream):
+                nonlocal pipelined
+                model, hook = acquire(plan, stream)
+                pipelined += hook is not None
+                return model, hook
+
+            pm.models.acquire_pipelined = counting
+            stream = runtime.create_stream()
+            for _ in range(3):
+                pm.models.expire()  # keep-alive 0: the weights go after each run, the next one loads again
+                handle = upload_tensor(runtime, x, pm.pool.allocate, stream)
+                result = pm.infer("f", plan, {plan.inputs[0]: handle}, stream)
+                got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+                pm.pool.free_many([handle.address, *(t.address for t in result.outputs.values())], stream)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+                stream.synchronize()
+            loads = pm.models.loads
+    finally:
+        io.close()
+    assert loads >= 3
+    assert io.stats.nbytes == loads * plan.weight_bytes  # only weights went through it, each byte once
+    assert io.stats.requests == loads * len(plan.weight_names)
+    if daemon_mode == "streambox":
+        assert {b.function for b in io.trace} == {weights_queue("resnet18")}
+        assert sum(b.nbytes for b in io.trace) == loads * plan.weight_bytes
+    else:
+        assert pipelined == 0  # direct copies are issued at once: nothing to wait for per layer
+    assert runtime.allocated_bytes() == 0
