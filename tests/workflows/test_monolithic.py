@@ -1,0 +1,217 @@
+"""`MonolithicInvoker`: one process and one runtime per function instance, keep-alive, Func-IPC
+through a real Redis server. Every instance here is a real child process (a cold start imports torch:
+seconds), so the module starts three of them in all."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from streambox.comm.baselines import RedisServer, RedisUnavailable
+from streambox.config import Config
+from streambox.workflows.invoker import InvocationError, InvocationTimeout, Invoker
+from streambox.workflows.monolithic import MonolithicInvoker, meta_key
+from streambox.workflows.validation import parse_spec
+
+needs_redis = pytest.mark.skipif(
+    RedisServer.why_unavailable() is not None,
+    reason=f"Func-IPC needs Redis: {RedisServer.why_unavailable()}",
+)
+
+HANDLERS = textwrap.dedent(
+    """
+    import os
+    import time
+
+    import torch
+
+
+    def act(ctx, event):
+        do = event["do"]
+        if do == "produce":  # put the data for one consumer, then wait for its answer
+            ctx.put(ctx.key("data"), ctx.upload(torch.arange(event["n"], dtype=torch.float32)), consumers=1)
+            answer = ctx.get(ctx.key("answer"), timeout=120)
+            return {"pid": os.getpid(), "answer": ctx.download(answer).tolist()}
+        if do == "consume":  # take the data, answer with its sum (kept until the request ends)
+            data = ctx.get(ctx.key("data"), timeout=120)
+            total = float(ctx.download(data).sum())
+            ctx.put(ctx.key("answer"), ctx.upload(torch.tensor([total])))
+            return {"pid": os.getpid(), "sum": total, "shape": list(data.shape)}
+        if do == "put":
+            ctx.put(ctx.key("late"), ctx.upload(torch.zeros(2)))
+        if do == "raise":
+            raise ValueError("bad input")
+        if do == "sleep":
+            time.sleep(event["s"])
+        if do == "exit":
+            os._exit(3)
+        return {"pid": os.getpid()}
+
+
+    def classify(ctx, event):
+        ids = torch.randint(0, 8000, (1, 16), generator=torch.Generator().manual_seed(0))
+        (logits,) = ctx.infer("text_encoder", ids)
+        return {"class": int(ctx.download(logits).argmax()), "shape": list(logits.shape)}
+    """
+)
+
+WORKFLOW = """
+name: mono
+slo_ms: 1000
+functions:
+  act: {handler: "mono_test_handlers:act", max_instances: 2}
+"""
+
+CLASSIFY = """
+name: mono-infer
+slo_ms: 1000
+functions:
+  classify: {handler: "mono_test_handlers:classify", models: [text_encoder], max_instances: 1}
+"""
+
+
+def _config(tmp_path: Path, **changes: object) -> Config:
+    (tmp_path / "mono_test_handlers.py").write_text(HANDLERS)
+    return Config(backend="emulated", device_preset="v100-16gb", state_dir=tmp_path / "state").with_overrides(
+        **changes
+    )
+
+
+def _runtimes(config: Config) -> int:
+    return sum(u.runtimes for u in config.open_backend().device_usage())
+
+
+async def _until(predicate, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+@needs_redis
+def test_instances_are_processes_keys_cross_them_through_redis_and_failures_stay_isolated(tmp_path, run):
+    config = _config(tmp_path)
+    spec = parse_spec(WORKFLOW, "mono.yaml", base_dir=tmp_path)
+    context = config.device_spec().context_memory
+
+    async def scenario() -> None:
+        invoker = MonolithicInvoker(config)
+        assert isinstance(invoker, Invoker)
+        try:
+            await invoker.deploy(spec)
+            assert invoker.describe()["system"] == "monolithic" and invoker.describe()["redis_version"]
+            assert invoker.memory_breakdown()["instances"] == 0  # nothing runs before the first call
+            from redis import Redis
+
+            redis = Redis(host="127.0.0.1", port=invoker.redis_port)
+
+            # Two concurrent calls of one function: neither can finish without the other, so they
+            # run in two instances (both cold), and the keys go across through Redis both ways.
+            produced, consumed = await asyncio.gather(
+                invoker.invoke("mono", "act", {"do": "produce", "n": 10}, "r1"),
+                invoker.invoke("mono", "act", {"do": "consume"}, "r1"),
+            )
+            assert produced.cold_start and consumed.cold_start and invoker.cold_starts == 2
+            assert consumed.output["sum"] == 45.0 and consumed.output["shape"] == [10]
+            assert produced.output["answer"] == [45.0]
+            pids = {produced.output["pid"], consumed.output["pid"]}
+            assert len(pids) == 2 and set(invoker.live_instances("mono")["act"]) == pids
+            assert not redis.exists("mono/r1/data", meta_key("mono/r1/data"))  # its one consumer took it
+            assert redis.exists("mono/r1/answer") and redis.exists(meta_key("mono/r1/answer"))
+
+            await invoker.end_request("mono", "r1")  # drops what the request left in Redis
+            assert not redis.keys("mono/r1/*")
+            with pytest.raises(InvocationError, match="request r1 has ended: PUT of key 'mono/r1/late'"):
+                await invoker.invoke("mono", "act", {"do": "put"}, "r1")
+
+            warm = await invoker.invoke("mono", "act", {"do": "pid"}, "r2")  # an idle instance: warm
+            assert not warm.cold_start and warm.output["pid"] in pids and invoker.cold_starts == 2
+
+            memory = await asyncio.to_thread(invoker.memory_breakdown)  # the sampler's thread
+            assert memory["instances"] == 2 and memory["busy_instances"] == 0
+            assert memory["context_bytes"] == 2 * context  # one runtime (context) per instance
+            assert memory["weights_bytes"] == 0 and memory["pool_reserved_bytes"] >= memory["pool_used_bytes"]
+            assert _runtimes(config) == 2
+            (stats,) = invoker.runtime_stats()
+            assert stats.workflow == "mono" and stats.instances == {"act": 2}
+
+            # A handler that raises fails its call only: the instance stays warm.
+            with pytest.raises(InvocationError, match="bad input") as raised:
+                await invoker.invoke("mono", "act", {"do": "raise"}, "r3")
+            assert raised.value.error_type == "ValueError" and "Traceback" in (raised.value.traceback or "")
+            assert invoker.memory_breakdown()["instances"] == 2
+
+            # An instance that dies fails its call and is discarded; its runtime leaves the device.
+            with pytest.raises(InvocationError, match="exited with code 3") as crashed:
+                await invoker.invoke("mono", "act", {"do": "exit"}, "r4")
+            assert crashed.value.error_type == "InstanceCrashed"
+            assert invoker.memory_breakdown()["instances"] == 1
+            assert invoker.memory_breakdown()["context_bytes"] == context
+            assert _runtimes(config) == 1
+
+            # A call past its limit times out and its instance is killed.
+            with pytest.raises(InvocationTimeout):
+                await invoker.invoke("mono", "act", {"do": "sleep", "s": 120}, "r5", timeout_s=1.0)
+            assert invoker.memory_breakdown() == {
+                "context_bytes": 0.0,
+                "weights_bytes": 0.0,
+                "pool_reserved_bytes": 0.0,
+                "pool_used_bytes": 0.0,
+                "instances": 0.0,
+                "busy_instances": 0.0,
+            }
+            assert _runtimes(config) == 0
+            assert list(invoker.runtime_stats()) == []
+        finally:
+            await invoker.close()
+
+    run(scenario())
+
+
+@needs_redis
+def test_prewarmed_instance_infers_with_its_own_weights_and_scales_to_zero(tmp_path, run, pool, zoo_model):
+    plan = pool.get_or_lower("text_encoder", 1, (16,))  # lowered here once; the instance reads it
+    weights = sum(v.nbytes for v in plan.vars_of_kind("weight"))
+    config = _config(tmp_path, model_pool=pool.root)
+    spec = parse_spec(CLASSIFY, "infer.yaml", base_dir=tmp_path)
+    ids = torch.randint(0, 8000, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = int(zoo_model("text_encoder").eval()(ids).argmax())
+
+    async def scenario() -> None:
+        invoker = MonolithicInvoker(config, keep_alive_s=3.0, prewarm=1)
+        try:
+            await invoker.deploy(spec)  # starts the instance: runtime, its own copy of the weights
+            memory = invoker.memory_breakdown()
+            assert memory["instances"] == 1 and memory["weights_bytes"] == weights
+            assert memory["context_bytes"] == config.device_spec().context_memory
+            result = await invoker.invoke("mono-infer", "classify", {}, "r1")
+            assert not result.cold_start and invoker.cold_starts == 0 and invoker.instance_starts == 1
+            assert result.output == {"class": expected, "shape": [1, 16]}
+            # Idle past its keep-alive: the instance stops, its runtime and memory with it.
+            await _until(lambda: invoker.memory_breakdown()["instances"] == 0)
+            assert all(v == 0 for v in invoker.memory_breakdown().values())
+            assert _runtimes(config) == 0  # counted until its process was gone
+        finally:
+            await invoker.close()
+
+    run(scenario())
+
+
+def test_deploy_says_why_without_redis(tmp_path, run):
+    invoker = MonolithicInvoker(_config(tmp_path), redis_executable=str(tmp_path / "no-redis-server"))
+    spec = parse_spec(WORKFLOW, "mono.yaml", base_dir=tmp_path)
+
+    async def scenario() -> None:
+        try:
+            with pytest.raises(RedisUnavailable, match="passes data through Redis"):
+                await invoker.deploy(spec)
+        finally:
+            await invoker.close()
+
+    run(scenario())

@@ -1,0 +1,613 @@
+"""`MonolithicInvoker`: the conventional serverless GPU deployment, the baseline StreamBox is measured
+against (INFless-like; paper section 2 and 9).
+
+- **One OS process and one device runtime (context) per function instance.** An instance is a child
+  process started cold (`monolithic_instance.py`): it starts Python, imports the framework, opens its
+  own runtime on the configured device (a context of its own: `context_memory` bytes and
+  `context_create_s` on the emulated device), uploads its function's models into its own memory
+  (a copy per instance) and then serves one invocation at a time. Its allocator is a static caching
+  pool, as PyTorch's: what it reserved stays reserved until the instance stops.
+- **Instances per function**: up to the spec's `max_instances`. A call takes the most recently used
+  idle instance, else starts one (cold start), else waits for one to go idle
+  (`api_proxy.keepalive.InstancePool`, the same policy the proxy uses). Idle instances stop after
+  `keep_alive_s` (scale to zero); `prewarm` instances per function start at deploy.
+- **Func-IPC through external storage**: one private `redis-server` (`comm.baselines.RedisServer`)
+  starts at the first deploy. `ctx.put` copies the tensor device -> host and writes it to Redis;
+  `ctx.get` waits until the key is there, reads it and copies it host -> device into the consumer's
+  own runtime (`comm.baselines.FuncIpc` does both). Redis layout, per key `K` put by request `R` of
+  workflow `W`:
+
+  - `K`: the tensor's bytes (what `FuncIpc` writes and reads);
+  - `K#meta`: a hash: dtype, shape, strides, consumers left (`-1`: until deleted), the request's set;
+  - `streambox:request:W/R`: the set of keys request `R` put (dropped with them by `end_request`);
+  - `streambox:ended:W/R`: set by `end_request` (for `ENDED_TTL_S`): later puts of `R` are refused.
+
+  Consumers: a GET reads the bytes first and then takes one consumer in a Lua script; the GET that
+  takes the last one deletes the key, and a GET that finds the consumers all taken keeps waiting (as
+  with `LocalStore`, it times out). `ttl` becomes a Redis expiry of `K` and `K#meta`. Unlike run-local,
+  every GET is a private copy in the consumer's runtime, freed at the end of its invocation.
+- **Failures**: a handler that raises fails its call only (the instance stays warm); an instance that
+  dies fails its call and is discarded (the device ledger reclaims its runtime when the process is
+  gone); a call past its time limit is answered with `InvocationTimeout` and its instance is killed.
+  A call the engine abandons (cancels) keeps running in its instance, which goes back to the pool
+  when it answers (or is killed at the call's limit).
+- **Stats**: `memory_breakdown()` (thread-safe, for the replay's sampler) and `runtime_stats()` (the
+  gateway's) sum what each instance reported after starting and after each invocation.
+
+Messages between the invoker and an instance: 4-byte big-endian length + a JSON object, over a
+socket pair (never pickles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, InstancePool
+from streambox.comm.baselines import RedisServer, RedisUnavailable
+from streambox.config import Config
+
+from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
+from .local import _json_copy
+from .spec import WorkflowSpec
+
+SYSTEM = "monolithic"
+#: How long `end_request` remembers an ended request (its later puts are refused meanwhile).
+ENDED_TTL_S = 3600
+#: How long a stopping instance may take to exit before it is killed.
+STOP_GRACE_S = 5.0
+LAUNCH_INSTANCE = "import sys; from streambox.workflows.monolithic_instance import main; sys.exit(main())"
+#: The parts `memory_breakdown` sums over live instances (each instance reports them).
+MEMORY_PARTS = ("context_bytes", "weights_bytes", "pool_reserved_bytes", "pool_used_bytes")
+
+_HEADER = struct.Struct("!I")
+
+
+# -- wire: length-prefixed JSON ------------------------------------------------------------------
+
+
+def encode_message(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, allow_nan=False).encode()
+    return _HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    message = json.loads(body)
+    if not isinstance(message, dict):
+        raise ValueError(f"a message is a JSON object, got {type(message).__name__}")
+    return message
+
+
+async def _read_message(reader: asyncio.StreamReader) -> dict[str, Any]:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    return decode_body(await reader.readexactly(size))
+
+
+# -- Redis key space (shared with the instances) -------------------------------------------------
+
+
+def meta_key(key: str) -> str:
+    return f"{key}#meta"
+
+
+def request_set_key(workflow: str, request_id: str) -> str:
+    return f"streambox:request:{workflow}/{request_id}"
+
+
+def ended_key(workflow: str, request_id: str) -> str:
+    return f"streambox:ended:{workflow}/{request_id}"
+
+
+# KEYS: ended marker, the request's key set; ARGV: marker ttl (s). Returns how many keys went.
+END_REQUEST_LUA = """
+redis.call('SET', KEYS[1], '1', 'EX', tonumber(ARGV[1]))
+local keys = redis.call('SMEMBERS', KEYS[2])
+for _, k in ipairs(keys) do redis.call('DEL', k, k .. '#meta') end
+redis.call('DEL', KEYS[2])
+return #keys
+"""
+
+
+# -- the invoker's records -----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Instance:
+    """One instance process of one function and its end of the socket pair."""
+
+    id: int
+    function: str
+    device: int
+    process: subprocess.Popen[bytes]
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    pid: int = 0
+    invocations: int = 0
+
+    def exit_reason(self) -> str:
+        code = self.process.poll()
+        if code is None:
+            return "its connection closed"
+        return f"it exited with code {code}" if code >= 0 else f"it was killed by signal {-code}"
+
+
+@dataclass
+class _Function:
+    name: str
+    pool: InstancePool
+    timeout_s: float
+    instances: dict[int, _Instance] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # an instance went idle or away
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+@dataclass
+class _Workflow:
+    spec: WorkflowSpec
+    functions: dict[str, _Function]
+
+
+class MonolithicInvoker:
+    """Runs every function instance in a process of its own, on a runtime of its own (see module)."""
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+        prewarm: int = 0,
+        model_shapes: str | None = None,
+        start_timeout_s: float = 300.0,
+        redis_executable: str | None = None,
+    ) -> None:
+        if keep_alive_s < 0:
+            raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
+        if prewarm < 0:
+            raise ValueError(f"prewarm must be >= 0, got {prewarm}")
+        self.config = config or Config.from_env()
+        self.keep_alive_s = keep_alive_s
+        self.prewarm = prewarm
+        self.model_shapes = model_shapes or os.environ.get("STREAMBOX_MODEL_SHAPES", "small")
+        if self.model_shapes not in ("small", "full"):
+            raise ValueError(f"model_shapes must be 'small' or 'full', got {self.model_shapes!r}")
+        self.start_timeout_s = start_timeout_s
+        self.cold_starts = 0  # invocations that had to start their instance
+        self.instance_starts = 0  # instances started, prewarmed ones included
+        self.redis_version: str | None = None
+        self._redis_executable = redis_executable
+        self._redis: RedisServer | None = None
+        self._client: Any = None  # redis.asyncio.Redis of this process (end_request)
+        self._end_script: Any = None
+        self._workflows: dict[str, _Workflow] = {}
+        self._ids = itertools.count(1)
+        self._dir: Path | None = None  # the instances' working directory
+        self._housekeeping: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        # What instances reported last, read by `memory_breakdown` from any thread.
+        self._lock = threading.Lock()
+        self._reports: dict[int, dict[str, Any]] = {}
+        self._owners: dict[int, tuple[str, str]] = {}  # instance -> (workflow, function)
+        self._busy: set[int] = set()
+        self._closed = False
+
+    @classmethod
+    def factory(cls, **options: Any) -> Any:
+        """An `InvokerFactory` for `workflows.commands.serve`: `(config, system) -> MonolithicInvoker`."""
+        return lambda config, system: cls(config, **options)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "system": SYSTEM,
+            "invoker": type(self).__name__,
+            "keep_alive_s": self.keep_alive_s,
+            "prewarm": self.prewarm,
+            "model_shapes": self.model_shapes,
+            "backend": self.config.backend,
+            "device_preset": self.config.device_preset,
+            "gpus": self.config.gpus,
+            "func_ipc": "redis",
+            "redis_version": self.redis_version,
+        }
+
+    # -- Invoker ---------------------------------------------------------------------------------
+    async def deploy(self, spec: WorkflowSpec) -> None:
+        if self._closed:
+            raise RuntimeError("the invoker is closed")
+        if spec.name in self._workflows:
+            return  # deploying again replaces nothing
+        await self._ensure_redis()
+        functions = {
+            name: _Function(
+                name,
+                InstancePool(fn.max_instances, self.keep_alive_s),
+                (fn.timeout_ms or spec.timeout_ms) / 1e3,
+            )
+            for name, fn in spec.functions.items()
+        }
+        wf = self._workflows[spec.name] = _Workflow(spec, functions)
+        if self._housekeeping is None or self._housekeeping.done():
+            self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
+        if self.prewarm:
+            starts = []
+            for fn in functions.values():
+                for _ in range(min(self.prewarm, fn.pool.max_instances)):
+                    instance_id = next(self._ids)
+                    fn.pool.add(instance_id, time.monotonic(), busy=True)
+                    starts.append(self._start(wf, fn, instance_id))
+            started = await asyncio.gather(*starts, return_exceptions=True)
+            for result in started:
+                if isinstance(result, _Instance):
+                    self._release(wf.functions[result.function], result)
+            errors = [r for r in started if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+
+    async def invoke(
+        self,
+        workflow: str,
+        function: str,
+        event: dict[str, Any],
+        request_id: str,
+        *,
+        timeout_s: float | None = None,
+    ) -> InvocationResult:
+        started = time.perf_counter()
+        wf = self._workflows.get(workflow)
+        if wf is None:
+            raise KeyError(f"workflow {workflow!r} is not deployed; deployed: {', '.join(self._workflows)}")
+        fn = wf.functions.get(function)
+        if fn is None:
+            raise KeyError(f"workflow {workflow!r} has no function {function!r}; functions: {', '.join(wf.functions)}")
+        event = _json_copy(event, f"the event of {function!r}")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        instance, cold = await self._acquire(wf, fn, deadline)
+        limit = fn.timeout_s if deadline is None else max(0.0, min(fn.timeout_s, deadline - time.monotonic()))
+        message = {"op": "invoke", "event": event, "request_id": request_id}
+        # The call runs to its end (or its limit) even when the caller stops waiting (the engine
+        # cancels a failed request's other calls): the instance goes back to the pool afterwards.
+        call = self._spawn(self._call(fn, instance, message, limit))
+        reply = await asyncio.shield(call)
+        if not reply["ok"]:
+            raise InvocationError(function, reply["error_type"], reply["message"], reply.get("traceback"))
+        return InvocationResult(reply["output"], cold, time.perf_counter() - started)
+
+    async def end_request(self, workflow: str, request_id: str) -> None:
+        if self._end_script is None:
+            return
+        await self._end_script(
+            keys=[ended_key(workflow, request_id), request_set_key(workflow, request_id)], args=[ENDED_TTL_S]
+        )
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            with contextlib.suppress(BaseException):
+                await self._housekeeping
+        stops = [
+            self._stop(fn, instance, kill=False)
+            for wf in self._workflows.values()
+            for fn in wf.functions.values()
+            for instance in list(fn.instances.values())
+        ]
+        await asyncio.gather(*stops, return_exceptions=True)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._workflows.clear()
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+            self._client = self._end_script = None
+        if self._redis is not None:
+            await asyncio.to_thread(self._redis.stop)
+            self._redis = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    # -- stats -----------------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, float]:
+        """Summed over live instances, as they reported last (callable from any thread):
+        `context_bytes` (one runtime each), `weights_bytes` (each instance's own model copies),
+        `pool_reserved_bytes` / `pool_used_bytes` (their caching allocators), `instances`,
+        `busy_instances`."""
+        with self._lock:
+            reports = list(self._reports.items())
+            busy = len(self._busy & self._reports.keys())
+        totals = {part: 0.0 for part in MEMORY_PARTS}
+        for _, report in reports:
+            for part in MEMORY_PARTS:
+                totals[part] += float(report.get(part, 0))
+        totals["instances"] = float(len(reports))
+        totals["busy_instances"] = float(busy)
+        return totals
+
+    def runtime_stats(self) -> Iterator[RuntimeStats]:
+        """The gateway's stats callback: per workflow and device, its instances' runtimes summed."""
+        with self._lock:
+            reports = [(self._owners[i], r) for i, r in self._reports.items() if i in self._owners]
+        groups: dict[tuple[str, int], list[tuple[str, dict[str, Any]]]] = {}
+        for (workflow, function), report in reports:
+            groups.setdefault((workflow, int(report["device"])), []).append((function, report))
+        for (workflow, device), members in sorted(groups.items()):
+            latest = max((r for _, r in members), key=lambda r: r["reported_at"])
+            instances: dict[str, int] = {}
+            for function, _ in members:
+                instances[function] = instances.get(function, 0) + 1
+            yield RuntimeStats(
+                workflow=workflow,
+                device=device,
+                memory_used_bytes=int(latest["memory_used_bytes"]),
+                memory_total_bytes=int(latest["memory_total_bytes"]),
+                pool_reserved_bytes=sum(int(r["pool_reserved_bytes"]) for _, r in members),
+                pool_used_bytes=sum(int(r["pool_used_bytes"]) for _, r in members),
+                instances=instances,
+            )
+
+    def live_instances(self, workflow: str) -> dict[str, list[int]]:
+        """Per function, the pids of its live instances (started and not stopped)."""
+        wf = self._workflows[workflow]
+        return {name: [i.pid for i in fn.instances.values()] for name, fn in wf.functions.items()}
+
+    @property
+    def redis_port(self) -> int | None:
+        return self._redis.port if self._redis is not None else None
+
+    # -- Redis -----------------------------------------------------------------------------------
+    async def _ensure_redis(self) -> None:
+        if self._redis is not None:
+            return
+        server = RedisServer(self._redis_executable)
+        try:
+            await asyncio.to_thread(server.start)
+        except RedisUnavailable as error:
+            raise RedisUnavailable(f"the monolithic baseline passes data through Redis: {error}") from None
+        import redis.asyncio
+
+        self._redis = server
+        self._client = redis.asyncio.Redis(host="127.0.0.1", port=server.port)
+        self._end_script = self._client.register_script(END_REQUEST_LUA)
+        with contextlib.suppress(Exception):
+            self.redis_version = (await self._client.info("server")).get("redis_version")
+        self._dir = Path(tempfile.mkdtemp(prefix="sbx-monolithic-"))
+
+    # -- instances -------------------------------------------------------------------------------
+    async def _acquire(self, wf: _Workflow, fn: _Function, deadline: float | None) -> tuple[_Instance, bool]:
+        """An idle instance (warm), or a new one (cold), or wait for one; marks it busy."""
+        while True:
+            if self._closed:
+                raise InvocationError(fn.name, "InvokerClosed", "the invoker is closed")
+            decision = fn.pool.acquire(time.monotonic())
+            if decision.action == "warm":
+                instance = fn.instances[decision.instance]  # type: ignore[index]
+                self._set_busy(instance.id, True)
+                return instance, False
+            if decision.action == "start":
+                break
+            changed = fn.changed
+            try:
+                await asyncio.wait_for(changed.wait(), _left(deadline))
+            except TimeoutError:
+                raise InvocationTimeout(
+                    f"{fn.name}: no instance free before the request's time ran out "
+                    f"({fn.pool.max_instances} busy)"
+                ) from None
+        instance_id = next(self._ids)
+        fn.pool.add(instance_id, time.monotonic(), busy=True)
+        self.cold_starts += 1
+        start = self._spawn(self._start(wf, fn, instance_id))
+        try:
+            instance = await asyncio.wait_for(asyncio.shield(start), _left(deadline))
+        except (TimeoutError, asyncio.CancelledError) as error:
+            # The start goes on: the instance joins the idle ones when it is up.
+            start.add_done_callback(lambda t: self._release_started(fn, t))
+            if isinstance(error, asyncio.CancelledError):
+                raise
+            raise InvocationTimeout(f"{fn.name}: the request's time ran out while its instance started") from None
+        self._set_busy(instance.id, True)
+        return instance, True
+
+    def _release_started(self, fn: _Function, task: asyncio.Task[_Instance]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._release(fn, task.result())
+
+    async def _start(self, wf: _Workflow, fn: _Function, instance_id: int) -> _Instance:
+        """Start an instance process and wait until it has its runtime and models. On failure the
+        pool slot is freed and the call fails with why."""
+        assert self._dir is not None and self._redis is not None
+        spec = wf.spec
+        one = spec.model_copy(update={"functions": {fn.name: spec.functions[fn.name]}, "edges": [], "output": None})
+        device = self._pick_device()
+        args = {
+            "spec": json.loads(one.model_dump_json(by_alias=True)),
+            "base_dir": str(spec.base_dir.resolve()) if spec.base_dir is not None else None,
+            "function": fn.name,
+            "device": device,
+            "config": {
+                "backend": self.config.backend,
+                "device_preset": self.config.device_preset,
+                "gpus": self.config.gpus,
+                "model_pool": str(self.config.model_pool),
+                "state_dir": str(self.config.state_dir) if self.config.state_dir is not None else None,
+            },
+            "model_shapes": self.model_shapes,
+            "redis_port": self._redis.port,
+        }
+        ours, theirs = socket.socketpair()
+        process: subprocess.Popen[bytes] | None = None
+        writer: asyncio.StreamWriter | None = None
+        try:
+            args["fd"] = theirs.fileno()
+            process = subprocess.Popen(
+                [sys.executable, "-c", LAUNCH_INSTANCE, json.dumps(args)],
+                cwd=self._dir,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+            )
+            theirs.close()
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+            instance = _Instance(instance_id, fn.name, device, process, reader, writer)
+            try:
+                hello = await asyncio.wait_for(_read_message(reader), self.start_timeout_s)
+            except TimeoutError:
+                raise InvocationError(
+                    fn.name, "InstanceStartError", f"the instance did not start in {self.start_timeout_s:g} s"
+                ) from None
+            except (asyncio.IncompleteReadError, ConnectionError):
+                await _reap(process, STOP_GRACE_S)
+                raise InvocationError(
+                    fn.name, "InstanceStartError", f"the instance did not start: {instance.exit_reason()}"
+                ) from None
+            if not hello.get("ok"):
+                raise InvocationError(
+                    fn.name,
+                    hello.get("error_type", "InstanceStartError"),
+                    f"the instance could not start: {hello.get('message')}",
+                    hello.get("traceback"),
+                )
+        except BaseException:
+            theirs.close()
+            if writer is not None:
+                writer.close()
+            else:
+                ours.close()
+            if process is not None:
+                process.kill()
+                self._spawn(_reap(process, STOP_GRACE_S))
+            fn.pool.remove(instance_id)
+            fn.wake()
+            raise
+        instance.pid = int(hello["pid"])
+        fn.instances[instance_id] = instance
+        self.instance_starts += 1
+        with self._lock:
+            self._owners[instance_id] = (spec.name, fn.name)
+            self._busy.add(instance_id)
+            self._reports[instance_id] = hello["stats"]
+        if self._closed:
+            await self._stop(fn, instance, kill=True)
+            raise InvocationError(fn.name, "InvokerClosed", "the invoker closed while the instance started")
+        return instance
+
+    async def _call(self, fn: _Function, instance: _Instance, message: dict[str, Any], limit: float) -> dict[str, Any]:
+        """One round trip; maps a dead instance and the time limit to the engine's errors."""
+        try:
+            instance.writer.write(encode_message(message))
+            await instance.writer.drain()
+            reply = await asyncio.wait_for(_read_message(instance.reader), limit)
+        except TimeoutError:
+            await self._stop(fn, instance, kill=True)
+            raise InvocationTimeout(f"{fn.name} ran past {limit:.3f} s; its instance was killed") from None
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            await _reap(instance.process, STOP_GRACE_S)
+            reason = instance.exit_reason()
+            await self._stop(fn, instance, kill=True)
+            raise InvocationError(fn.name, "InstanceCrashed", f"the instance (pid {instance.pid}) died: {reason}") from None
+        except BaseException:
+            await self._stop(fn, instance, kill=True)  # cancelled mid-call (close): it cannot be reused
+            raise
+        instance.invocations += 1
+        with self._lock:
+            self._reports[instance.id] = reply["stats"]
+        self._release(fn, instance)
+        return reply
+
+    def _release(self, fn: _Function, instance: _Instance) -> None:
+        self._set_busy(instance.id, False)
+        if instance.id in fn.instances:
+            fn.pool.release(instance.id, time.monotonic())
+            fn.wake()
+
+    def _set_busy(self, instance_id: int, busy: bool) -> None:
+        with self._lock:
+            (self._busy.add if busy else self._busy.discard)(instance_id)
+
+    async def _stop(self, fn: _Function, instance: _Instance, *, kill: bool) -> None:
+        """Take the instance out of the pool and its stats, then stop (or kill) its process."""
+        if fn.instances.pop(instance.id, None) is None:
+            return
+        fn.pool.remove(instance.id)
+        self._set_busy(instance.id, False)
+        fn.wake()
+        try:
+            if not kill and instance.process.poll() is None:
+                with contextlib.suppress(Exception):
+                    instance.writer.write(encode_message({"op": "stop"}))
+                    await instance.writer.drain()
+                await _reap(instance.process, STOP_GRACE_S)
+            if instance.process.poll() is None:
+                instance.process.kill()
+            instance.writer.close()
+            await _reap(instance.process, STOP_GRACE_S)
+        finally:
+            with self._lock:  # its memory is counted until its process is gone
+                self._reports.pop(instance.id, None)
+                self._owners.pop(instance.id, None)
+
+    def _pick_device(self) -> int:
+        """The device with the fewest live instances (lowest index on ties)."""
+        counts = [0] * self.config.gpus
+        for wf in self._workflows.values():
+            for fn in wf.functions.values():
+                for instance in fn.instances.values():
+                    counts[instance.device] += 1
+        return min(range(self.config.gpus), key=lambda d: (counts[d], d))
+
+    async def _housekeep(self) -> None:
+        """Stop idle instances whose keep-alive ran out (scale to zero)."""
+        period = min(1.0, max(0.05, self.keep_alive_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for wf in list(self._workflows.values()):
+                for fn in wf.functions.values():
+                    for instance_id in fn.pool.expired(now):
+                        instance = fn.instances.get(instance_id)  # type: ignore[arg-type]
+                        if instance is not None:
+                            await self._stop(fn, instance, kill=False)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_retrieve)
+        return task
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a background task's exception as seen (its awaiter, if any, still gets it)."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+async def _reap(process: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """Wait (without blocking the loop) up to `timeout` for the process to exit; its exit code."""
+    end = time.monotonic() + timeout
+    delay = 0.002
+    while process.poll() is None and time.monotonic() < end:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return process.poll()

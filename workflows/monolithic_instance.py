@@ -1,0 +1,352 @@
+"""One function instance of the monolithic baseline: a process with a runtime of its own.
+
+Started by `MonolithicInvoker` as `python -c LAUNCH_INSTANCE '<json arguments>'` with one end of a
+socket pair. At start it opens its own runtime on the configured device (a context of its own),
+imports its handler and uploads its function's models into its own memory; then it answers
+`{"ok": true, "pid", "stats"}` (or `{"ok": false, "error_type", "message", "traceback"}` and exits)
+and serves `{"op": "invoke", "event", "request_id"}` messages one at a time until `{"op": "stop"}`
+or the end of its socket (the invoker is gone).
+
+Handlers run exactly as in run-local (`LocalContext`: `key`, `upload`, `download`, `infer` are
+the same code) on a `stream-only` workflow (static caching pool, no eager recycling), except that
+`put`, `get` and `delete` go through Redis (`FuncIpc`: GPU -> host -> Redis -> host -> GPU; the key
+layout is in `monolithic.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from streambox.api_proxy.device_tensor import DeviceTensor
+from streambox.api_proxy.executor import DeviceModel
+from streambox.comm.baselines import FuncIpc
+from streambox.comm.handle import Allocator
+from streambox.config import Config
+from streambox.device import Event, Runtime, Stream
+from streambox.kernel_compiler.plan import KernelPlan
+from streambox.kernel_compiler.zoo import get_entry
+
+from .handlers import resolve_handler
+from .local import (
+    DEFAULT_GET_TIMEOUT_S,
+    GetTimeout,
+    LocalContext,
+    LocalInvoker,
+    StoreError,
+    _json_copy,
+    _LocalWorkflow,
+)
+from .monolithic import decode_body, encode_message, ended_key, meta_key, request_set_key
+from .spec import WorkflowSpec
+
+# KEYS: K#meta, ended marker. Whether a put may go ahead.
+PUT_CHECK_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'ended' end
+if redis.call('EXISTS', KEYS[1]) == 1 then return 'exists' end
+return 'ok'
+"""
+# KEYS: K, K#meta, ended marker, the request's set; ARGV: dtype, shape, strides, consumers, ttl ms, K.
+PUT_COMMIT_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('DEL', KEYS[1]) return 'ended' end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'exists' end
+redis.call('HSET', KEYS[2], 'dtype', ARGV[1], 'shape', ARGV[2], 'strides', ARGV[3], 'left', ARGV[4],
+           'set', KEYS[4])
+redis.call('SADD', KEYS[4], ARGV[6])
+local ttl = tonumber(ARGV[5])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) redis.call('PEXPIRE', KEYS[2], ttl) end
+return 'ok'
+"""
+# KEYS: K, K#meta; ARGV: K. Takes one consumer: -2 gone, -1 unlimited, else consumers left (0: deleted).
+CLAIM_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -2 end
+local left = tonumber(redis.call('HGET', KEYS[2], 'left'))
+if left < 0 then return -1 end
+left = left - 1
+if left <= 0 then
+  local set = redis.call('HGET', KEYS[2], 'set')
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('SREM', set, ARGV[1])
+  return 0
+end
+redis.call('HSET', KEYS[2], 'left', left)
+return left
+"""
+# KEYS: K, K#meta; ARGV: K. 1 if deleted, 0 if there was no such key.
+DELETE_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local set = redis.call('HGET', KEYS[2], 'set')
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('SREM', set, ARGV[1])
+return 1
+"""
+GET_POLL_MAX_S = 0.01  # a waiting GET polls Redis at most this far apart
+
+
+def _weights(plan: KernelPlan) -> list[tuple[str, int]]:
+    return [(v.name, v.nbytes) for v in plan.vars_of_kind("weight")]
+
+
+class RedisStore:
+    """The instance's keys, in Redis (Func-IPC): what `LocalStore` is to run-local.
+
+    `put` copies the tensor device -> host -> Redis on the store's stream once the producer's work
+    is done (`ready`), then frees the device tensor (the store owned it); `get` copies it back into
+    a new device tensor of this runtime."""
+
+    def __init__(self, client: Any, workflow: str, runtime: Runtime, allocator: Allocator) -> None:
+        self.client = client
+        self.workflow = workflow
+        self.ipc = FuncIpc(client)
+        self._runtime = runtime
+        self._allocator = allocator
+        self._stream = runtime.create_stream()
+        self._check = client.register_script(PUT_CHECK_LUA)
+        self._commit = client.register_script(PUT_COMMIT_LUA)
+        self._claim = client.register_script(CLAIM_LUA)
+        self._delete = client.register_script(DELETE_LUA)
+
+    def put(
+        self,
+        key: str,
+        handle: DeviceTensor,
+        ready: Event,
+        request_id: str,
+        consumers: int | None = None,
+        ttl: float | None = None,
+    ) -> None:
+        if consumers is not None and consumers < 1:
+            raise ValueError(f"consumers must be >= 1 or None, got {consumers}")
+        ended = ended_key(self.workflow, request_id)
+        if (verdict := self._check(keys=[meta_key(key), ended]).decode()) != "ok":
+            raise StoreError(self._refusal(key, request_id, verdict))
+        self._stream.wait_event(ready)  # the producer's kernels come first
+        self.ipc.put(key, self._runtime, handle, self._stream)  # device -> host -> Redis
+        ttl_ms = 0 if ttl is None else max(1, round(ttl * 1e3))
+        verdict = self._commit(
+            keys=[key, meta_key(key), ended, request_set_key(self.workflow, request_id)],
+            args=[
+                str(handle.dtype),
+                json.dumps(list(handle.shape)),
+                json.dumps(list(handle.strides)),
+                -1 if consumers is None else consumers,
+                ttl_ms,
+                key,
+            ],
+        ).decode()
+        if verdict != "ok":
+            raise StoreError(self._refusal(key, request_id, verdict))
+        self._allocator.free(handle.address, self._stream)  # the bytes live in Redis now
+
+    @staticmethod
+    def _refusal(key: str, request_id: str, verdict: str) -> str:
+        if verdict == "ended":
+            return f"request {request_id} has ended: PUT of key {key!r} refused"
+        return f"key {key!r} is already stored; delete it first"
+
+    def get(self, key: str, timeout: float, stream: Stream) -> tuple[DeviceTensor, bool]:
+        """A new device tensor (on `stream`) with the key's bytes, and whether this GET took the
+        key's last consumer. Waits (polling) until someone puts the key, up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            meta = self.client.hgetall(meta_key(key))
+            if meta:
+                try:
+                    received = self.ipc.get(key, self._runtime, self._allocator, stream)  # Redis -> device
+                except KeyError:
+                    received = None  # consumed or deleted meanwhile
+                if received is not None:
+                    left = int(self._claim(keys=[key, meta_key(key)], args=[key]))
+                    if left != -2:
+                        dtype = getattr(torch, meta[b"dtype"].decode().removeprefix("torch."))
+                        shape = tuple(json.loads(meta[b"shape"]))
+                        strides = tuple(json.loads(meta[b"strides"]))
+                        return DeviceTensor(received.address, dtype, shape, strides, received.nbytes), left == 0
+                    self._allocator.free(received.address, stream)  # its consumers were all taken
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise GetTimeout(f"GET of key {key!r} timed out after {timeout:g} s: nothing put it")
+            time.sleep(min(delay, left_s))
+            delay = min(delay * 2, GET_POLL_MAX_S)
+
+    def delete(self, key: str) -> None:
+        if not int(self._delete(keys=[key, meta_key(key)], args=[key])):
+            raise StoreError(f"DELETE of key {key!r}: no such key")
+
+    def close(self) -> None:
+        self._stream.synchronize()
+        self._stream.destroy()
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+def _weights(plan: KernelPlan) -> list[tuple[str, int]]:
+    return [(v.name, v.nbytes) for v in plan.vars_of_kind("weight")]
+
+
+class _InstanceWorkflow(_LocalWorkflow):
+    """The instance's one function on its own runtime, its keys in Redis. Plans of one model at
+    other input shapes share the weights already resident (one copy of each model per instance)."""
+
+    def __init__(self, invoker: LocalInvoker, spec: WorkflowSpec, handlers: dict[str, Any], redis: Any) -> None:
+        super().__init__(invoker, spec, handlers)
+        self.store.close()  # run-local's in-process store: not used here
+        self.store = RedisStore(redis, spec.name, self.runtime, self.allocator)  # type: ignore[assignment]
+
+    def model(self, name: str, batch: int, shape: tuple[int, ...]) -> DeviceModel:
+        key = (name, batch, shape)
+        if key not in self._models:
+            plan = self.model_pool.get_or_lower(name, batch, shape)
+            for resident in list(self._models.values()):
+                if resident.plan.model == name and _weights(resident.plan) == _weights(plan):
+                    self._models[key] = DeviceModel(plan, resident.weights, resident.weight_views)
+                    break
+        return super().model(name, batch, shape)
+
+    def _unique_models(self) -> dict[int, DeviceModel]:
+        return {id(m.weights): m for m in self._models.values()}
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(m.weight_bytes for m in self._unique_models().values())
+
+    def close(self) -> None:
+        self._models = {i: m for i, m in self._unique_models().items()}  # type: ignore[misc]
+        super().close()
+
+
+class MonolithicContext(LocalContext):
+    """Run-local's `ctx` over the instance's `RedisStore`: `key`, `upload`, `download`, `infer`,
+    `put` and `delete` are run-local's; a GET is always a private copy in this runtime."""
+
+    def __init__(self, wf: _InstanceWorkflow, function: str, stream: Stream, request_id: str) -> None:
+        super().__init__(wf, function, stream, request_id)
+        self._copies: dict[int, DeviceTensor] = {}  # got without consuming: freed at the end, not puttable
+
+    def get(self, key: str, timeout: float = DEFAULT_GET_TIMEOUT_S) -> DeviceTensor:
+        handle, consumed = self._wf.store.get(key, timeout, self._stream)  # type: ignore[call-arg]
+        if consumed:
+            return self._own(handle)
+        self._copies[handle.address] = handle
+        return handle
+
+    def finish(self) -> None:
+        for handle in self._copies.values():
+            self._wf.allocator.free(handle.address, self._stream)
+        self._copies.clear()
+        super().finish()
+
+
+def _error(error: BaseException) -> dict[str, Any]:
+    return {"error_type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
+
+
+class Instance:
+    """The instance's runtime, workflow, handler, stream and Redis client."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        import redis
+
+        c = args["config"]
+        config = Config(
+            backend=c["backend"],
+            device_preset=c["device_preset"],
+            gpus=int(c["gpus"]),
+            model_pool=Path(c["model_pool"]),
+            state_dir=Path(c["state_dir"]) if c.get("state_dir") else None,
+        ).validated()
+        base_dir = Path(args["base_dir"]) if args.get("base_dir") else None
+        spec = WorkflowSpec.model_validate_json(json.dumps(args["spec"])).with_base_dir(base_dir)
+        self.function = args["function"]
+        fn = spec.functions[self.function]
+        handler = resolve_handler(fn.handler, base_dir)
+        self.invoker = LocalInvoker.open(config, system="stream-only", device=int(args["device"]))
+        try:
+            self.runtime = self.invoker.runtime
+            client = redis.Redis(host="127.0.0.1", port=int(args["redis_port"]))
+            client.ping()
+            self.wf = _InstanceWorkflow(self.invoker, spec, {self.function: handler}, client)
+            self.stream = self.runtime.create_stream()
+            for model in fn.models:  # its own copy of its models, loaded at start
+                entry = get_entry(model)
+                shape = entry.small_input_shape if args.get("model_shapes", "small") == "small" else None
+                self.wf.model(model, fn.batch_size, tuple(shape or entry.input_shape))
+        except BaseException:
+            asyncio.run(self.invoker.close())
+            raise
+        self.context_bytes = int(self.runtime.properties().extra.get("context_memory", 0))
+
+    def stats(self) -> dict[str, Any]:
+        free, total = self.runtime.memory_info()
+        pool = self.wf.allocator.pool
+        return {
+            "device": self.runtime.index,
+            "context_bytes": self.context_bytes,
+            "weights_bytes": self.wf.model_bytes,
+            "pool_reserved_bytes": pool.reserved_bytes,
+            "pool_used_bytes": pool.used_bytes,
+            "allocated_bytes": self.runtime.allocated_bytes(),
+            "memory_used_bytes": total - free,
+            "memory_total_bytes": total,
+            "reported_at": time.time(),
+        }
+
+    def invoke(self, event: dict[str, Any], request_id: str) -> dict[str, Any]:
+        ctx = MonolithicContext(self.wf, self.function, self.stream, request_id)
+        try:
+            output = self.wf.handlers[self.function](ctx, event)
+            ctx.finish()
+            reply = {"ok": True, "output": _json_copy(output, f"the output of {self.function!r}")}
+        except Exception as error:
+            reply = {"ok": False, **_error(error)}
+            with contextlib.suppress(Exception):
+                ctx.finish()  # the handler's error is the one to report
+        reply["stats"] = self.stats()
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stream.destroy()
+        with contextlib.suppress(Exception):
+            self.wf.close()
+        asyncio.run(self.invoker.close())
+
+
+def _receive(stream: BinaryIO) -> dict[str, Any] | None:
+    """The next message, or None at the end of the socket."""
+    header = stream.read(4)
+    if len(header) < 4:
+        return None
+    body = stream.read(int.from_bytes(header, "big"))
+    return decode_body(body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = json.loads((argv or sys.argv)[1])
+    sock = socket.socket(fileno=int(args["fd"]))
+    incoming = sock.makefile("rb")
+    try:
+        instance = Instance(args)
+    except BaseException as error:
+        sock.sendall(encode_message({"ok": False, **_error(error)}))
+        return 1
+    try:
+        sock.sendall(encode_message({"ok": True, "pid": os.getpid(), "stats": instance.stats()}))
+        while (message := _receive(incoming)) is not None and message.get("op") == "invoke":
+            sock.sendall(encode_message(instance.invoke(message["event"], message["request_id"])))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the invoker is gone
+    finally:
+        instance.close()
+    return 0
