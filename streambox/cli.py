@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     from streambox.replay.cli import add_commands as add_replay_commands
 
     add_replay_commands(commands)
+
+    from streambox.workflows.burst import add_commands as add_burst_commands
+
+    add_burst_commands(commands)
     return parser
 
 
