@@ -38,7 +38,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +50,13 @@ from streambox.comm import CommStore, StoreConfig
 from streambox.comm.errors import GetTimeout
 from streambox.config import Config
 from streambox.device import Event, Stream
-from streambox.io_daemon import CopyRequest, IODaemon
+from streambox.io_daemon import CopyRequest, DaemonConfig, IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.ops import invoke_kernel
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.kernel_compiler.zoo import get_entry
+from streambox.memory_pool.idle import PoolIdleMemory
+from streambox.memory_pool.modes import PoolMode
 
 from . import wire
 from .buffers import BufferTable
@@ -107,21 +109,6 @@ def describe_status(status: int) -> str:
             return f"was killed by {signal.Signals(-code).name}"
         return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-class _FencedFrees:
-    """The memory pool as the communication store's allocator: each free is also fenced, so the
-    pool never has to fence a store stream later (the store destroys its streams when it closes)."""
-
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-
-    def allocate(self, nbytes: int, stream: Stream) -> int:
-        return self.pool.allocate(nbytes, stream)
-
-    def free(self, address: int, stream: Stream) -> None:
-        self.pool.free(address, stream)
-        self.pool.fence(stream)
 
 
 @dataclass(eq=False)
@@ -251,21 +238,26 @@ class ProxyServer:
         self.timings["modelled_context_s"] = getattr(
             getattr(self.backend, "spec", None), "context_create_s", 0.0
         )
-        # The system's mechanisms, each switchable per run (`ProxyConfig.settings()`).
-        self.io = IODaemon(self.runtime, cfg.daemon_config())
-        options = MemoryOptions(
-            mode=cfg.resolved_pool_mode,
-            keep_alive_s=cfg.resolved_weights_keep_alive_s,
-            recycler=cfg.resolved_recycler,
-        )
-        self.memory = ProxyMemory(self.runtime, options, daemon=self.io).start()
-        self.service = self.runtime.create_stream()  # frees of buffers that outlive their holders
-        self.store = CommStore(
-            {cfg.device: self.runtime},
-            {cfg.device: _FencedFrees(self.memory.pool)},
-            node=f"proxy-{cfg.workflow}",
-            config=StoreConfig(),
+        streambox = cfg.system == "streambox"
+        mode = PoolMode.FM_RS if streambox else PoolMode.STATIC
+        self.memory = ProxyMemory(
+            self.runtime, MemoryOptions(mode=mode, keep_alive_s=cfg.keep_alive_s)
         ).start()
+        self.io = IODaemon(self.runtime, DaemonConfig() if streambox else DaemonConfig.stream_only())
+        self.service = self.runtime.create_stream()  # frees of buffers that outlive their holders
+        # The store's capacity: a fraction of the idle memory the pool's demand model predicts over
+        # the window. It allocates from the pool (it fences and retires its own streams' frees).
+        store_idle = PoolIdleMemory(self.memory.pool, self.memory.board, self.memory.scaler)
+        store = CommStore(
+            {cfg.device: self.runtime},
+            {cfg.device: self.memory.pool},
+            node=f"proxy-{cfg.workflow}",
+            idle={cfg.device: store_idle},
+            config=StoreConfig(),
+            clock=_now,  # the position board's clock, which the prediction compares `now` with
+        )
+        store_idle.store_bytes = lambda: store.usage()[cfg.device]
+        self.store = store.start()
         self.model_pool = ModelPool(device.model_pool)
         t = _now()
         for spec in cfg.functions:
@@ -524,9 +516,6 @@ class ProxyServer:
             "buffers": len(self.buffers),
             "buffer_bytes": self.buffers.nbytes,
             "models_resident_bytes": self.memory.models.resident_bytes,
-            "models": {"loads": self.memory.models.loads, "evictions": self.memory.models.evictions},
-            "io": asdict(self.io.stats),
-            "settings": self.config.settings(),  # the mechanisms this run used, defaults resolved
             "timings": self.timings,
         }
 
