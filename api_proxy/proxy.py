@@ -38,7 +38,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +50,12 @@ from streambox.comm import CommStore, StoreConfig
 from streambox.comm.errors import GetTimeout
 from streambox.config import Config
 from streambox.device import Event, Stream
-from streambox.io_daemon import CopyRequest, DaemonConfig, IODaemon
+from streambox.io_daemon import CopyRequest, IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.ops import invoke_kernel
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.kernel_compiler.zoo import get_entry
 from streambox.memory_pool.idle import PoolIdleMemory
-from streambox.memory_pool.modes import PoolMode
 
 from . import wire
 from .buffers import BufferTable
@@ -238,12 +237,14 @@ class ProxyServer:
         self.timings["modelled_context_s"] = getattr(
             getattr(self.backend, "spec", None), "context_create_s", 0.0
         )
-        streambox = cfg.system == "streambox"
-        mode = PoolMode.FM_RS if streambox else PoolMode.STATIC
-        self.memory = ProxyMemory(
-            self.runtime, MemoryOptions(mode=mode, keep_alive_s=cfg.keep_alive_s)
-        ).start()
-        self.io = IODaemon(self.runtime, DaemonConfig() if streambox else DaemonConfig.stream_only())
+        # The system's mechanisms, each switchable per run (`ProxyConfig.settings()`).
+        self.io = IODaemon(self.runtime, cfg.daemon_config())
+        options = MemoryOptions(
+            mode=cfg.resolved_pool_mode,
+            keep_alive_s=cfg.resolved_weights_keep_alive_s,
+            recycler=cfg.resolved_recycler,
+        )
+        self.memory = ProxyMemory(self.runtime, options, daemon=self.io).start()
         self.service = self.runtime.create_stream()  # frees of buffers that outlive their holders
         # The store's capacity: a fraction of the idle memory the pool's demand model predicts over
         # the window. It allocates from the pool (it fences and retires its own streams' frees).
@@ -516,6 +517,9 @@ class ProxyServer:
             "buffers": len(self.buffers),
             "buffer_bytes": self.buffers.nbytes,
             "models_resident_bytes": self.memory.models.resident_bytes,
+            "models": {"loads": self.memory.models.loads, "evictions": self.memory.models.evictions},
+            "io": asdict(self.io.stats),
+            "settings": self.config.settings(),  # the mechanisms this run used, defaults resolved
             "timings": self.timings,
         }
 
