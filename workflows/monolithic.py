@@ -206,6 +206,8 @@ class MonolithicInvoker:
         self._reports: dict[int, dict[str, Any]] = {}
         self._owners: dict[int, tuple[str, str]] = {}  # instance -> (workflow, function)
         self._busy: set[int] = set()
+        self._device_load = [0] * self.config.gpus  # instances per device, starting ones included
+        self._starting: dict[int, subprocess.Popen[bytes]] = {}
         self._closed = False
 
     @classmethod
@@ -275,11 +277,16 @@ class MonolithicInvoker:
             raise KeyError(f"workflow {workflow!r} is not deployed; deployed: {', '.join(self._workflows)}")
         fn = wf.functions.get(function)
         if fn is None:
-            raise KeyError(f"workflow {workflow!r} has no function {function!r}; functions: {', '.join(wf.functions)}")
+            raise KeyError(
+                f"workflow {workflow!r} has no function {function!r}; functions: {', '.join(wf.functions)}"
+            )
         event = _json_copy(event, f"the event of {function!r}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         instance, cold = await self._acquire(wf, fn, deadline)
-        limit = fn.timeout_s if deadline is None else max(0.0, min(fn.timeout_s, deadline - time.monotonic()))
+        limit = fn.timeout_s if deadline is None else min(fn.timeout_s, deadline - time.monotonic())
+        if limit <= 0:
+            self._release(fn, instance)
+            raise InvocationTimeout(f"{function}: the request's time ran out before the call was sent")
         message = {"op": "invoke", "event": event, "request_id": request_id}
         # The call runs to its end (or its limit) even when the caller stops waiting (the engine
         # cancels a failed request's other calls): the instance goes back to the pool afterwards.
@@ -308,10 +315,16 @@ class MonolithicInvoker:
             for fn in wf.functions.values()
             for instance in list(fn.instances.values())
         ]
+        for process in self._starting.values():
+            process.kill()  # its start fails at once
         await asyncio.gather(*stops, return_exceptions=True)
-        for task in list(self._background):
+        # What is left (calls of stopped instances, starts, stops) ends quickly; cancel stragglers.
+        late: set[asyncio.Task[Any]] = set()
+        if self._background:
+            _, late = await asyncio.wait(set(self._background), timeout=2 * STOP_GRACE_S)
+        for task in late:
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*late, return_exceptions=True)
         self._workflows.clear()
         if self._client is not None:
             with contextlib.suppress(Exception):
@@ -422,7 +435,9 @@ class MonolithicInvoker:
             start.add_done_callback(lambda t: self._release_started(fn, t))
             if isinstance(error, asyncio.CancelledError):
                 raise
-            raise InvocationTimeout(f"{fn.name}: the request's time ran out while its instance started") from None
+            raise InvocationTimeout(
+                f"{fn.name}: the request's time ran out while its instance started"
+            ) from None
         self._set_busy(instance.id, True)
         return instance, True
 
@@ -435,7 +450,9 @@ class MonolithicInvoker:
         pool slot is freed and the call fails with why."""
         assert self._dir is not None and self._redis is not None
         spec = wf.spec
-        one = spec.model_copy(update={"functions": {fn.name: spec.functions[fn.name]}, "edges": [], "output": None})
+        one = spec.model_copy(
+            update={"functions": {fn.name: spec.functions[fn.name]}, "edges": [], "output": None}
+        )
         device = self._pick_device()
         args = {
             "spec": json.loads(one.model_dump_json(by_alias=True)),
@@ -463,6 +480,7 @@ class MonolithicInvoker:
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
             )
+            self._starting[instance_id] = process
             theirs.close()
             reader, writer = await asyncio.open_unix_connection(sock=ours)
             instance = _Instance(instance_id, fn.name, device, process, reader, writer)
@@ -494,8 +512,11 @@ class MonolithicInvoker:
                 process.kill()
                 self._spawn(_reap(process, STOP_GRACE_S))
             fn.pool.remove(instance_id)
+            self._device_load[device] -= 1
             fn.wake()
             raise
+        finally:
+            self._starting.pop(instance_id, None)
         instance.pid = int(hello["pid"])
         fn.instances[instance_id] = instance
         self.instance_starts += 1
@@ -508,7 +529,9 @@ class MonolithicInvoker:
             raise InvocationError(fn.name, "InvokerClosed", "the invoker closed while the instance started")
         return instance
 
-    async def _call(self, fn: _Function, instance: _Instance, message: dict[str, Any], limit: float) -> dict[str, Any]:
+    async def _call(
+        self, fn: _Function, instance: _Instance, message: dict[str, Any], limit: float
+    ) -> dict[str, Any]:
         """One round trip; maps a dead instance and the time limit to the engine's errors."""
         try:
             instance.writer.write(encode_message(message))
@@ -521,7 +544,9 @@ class MonolithicInvoker:
             await _reap(instance.process, STOP_GRACE_S)
             reason = instance.exit_reason()
             await self._stop(fn, instance, kill=True)
-            raise InvocationError(fn.name, "InstanceCrashed", f"the instance (pid {instance.pid}) died: {reason}") from None
+            raise InvocationError(
+                fn.name, "InstanceCrashed", f"the instance (pid {instance.pid}) died: {reason}"
+            ) from None
         except BaseException:
             await self._stop(fn, instance, kill=True)  # cancelled mid-call (close): it cannot be reused
             raise
@@ -542,12 +567,21 @@ class MonolithicInvoker:
             (self._busy.add if busy else self._busy.discard)(instance_id)
 
     async def _stop(self, fn: _Function, instance: _Instance, *, kill: bool) -> None:
-        """Take the instance out of the pool and its stats, then stop (or kill) its process."""
+        """Take the instance out of the pool, then stop (or kill) its process."""
+        if self._detach(fn, instance):
+            await self._terminate(instance, kill=kill)
+
+    def _detach(self, fn: _Function, instance: _Instance) -> bool:
+        """No more calls go to the instance; False if it was detached already."""
         if fn.instances.pop(instance.id, None) is None:
-            return
+            return False
         fn.pool.remove(instance.id)
         self._set_busy(instance.id, False)
         fn.wake()
+        return True
+
+    async def _terminate(self, instance: _Instance, *, kill: bool) -> None:
+        """Ask a detached instance to exit (or kill it); its stats go when its process is gone."""
         try:
             if not kill and instance.process.poll() is None:
                 with contextlib.suppress(Exception):
@@ -559,18 +593,18 @@ class MonolithicInvoker:
             instance.writer.close()
             await _reap(instance.process, STOP_GRACE_S)
         finally:
+            if instance.process.poll() is None:  # cancelled half-way: no process outlives its stop
+                instance.process.kill()
             with self._lock:  # its memory is counted until its process is gone
                 self._reports.pop(instance.id, None)
                 self._owners.pop(instance.id, None)
+            self._device_load[instance.device] -= 1
 
     def _pick_device(self) -> int:
-        """The device with the fewest live instances (lowest index on ties)."""
-        counts = [0] * self.config.gpus
-        for wf in self._workflows.values():
-            for fn in wf.functions.values():
-                for instance in fn.instances.values():
-                    counts[instance.device] += 1
-        return min(range(self.config.gpus), key=lambda d: (counts[d], d))
+        """The device with the fewest instances (starting ones included; lowest index on ties)."""
+        device = min(range(self.config.gpus), key=lambda d: (self._device_load[d], d))
+        self._device_load[device] += 1
+        return device
 
     async def _housekeep(self) -> None:
         """Stop idle instances whose keep-alive ran out (scale to zero)."""
@@ -582,8 +616,8 @@ class MonolithicInvoker:
                 for fn in wf.functions.values():
                     for instance_id in fn.pool.expired(now):
                         instance = fn.instances.get(instance_id)  # type: ignore[arg-type]
-                        if instance is not None:
-                            await self._stop(fn, instance, kill=False)
+                        if instance is not None and self._detach(fn, instance):
+                            self._spawn(self._terminate(instance, kill=False))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

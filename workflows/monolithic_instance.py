@@ -172,7 +172,9 @@ class RedisStore:
                         dtype = getattr(torch, meta[b"dtype"].decode().removeprefix("torch."))
                         shape = tuple(json.loads(meta[b"shape"]))
                         strides = tuple(json.loads(meta[b"strides"]))
-                        return DeviceTensor(received.address, dtype, shape, strides, received.nbytes), left == 0
+                        return DeviceTensor(
+                            received.address, dtype, shape, strides, received.nbytes
+                        ), left == 0
                     self._allocator.free(received.address, stream)  # its consumers were all taken
             left_s = deadline - time.monotonic()
             if left_s <= 0:
@@ -199,7 +201,9 @@ class _InstanceWorkflow(_LocalWorkflow):
     """The instance's one function on its own runtime, its keys in Redis. Plans of one model at
     other input shapes share the weights already resident (one copy of each model per instance)."""
 
-    def __init__(self, invoker: LocalInvoker, spec: WorkflowSpec, handlers: dict[str, Any], redis: Any) -> None:
+    def __init__(
+        self, invoker: LocalInvoker, spec: WorkflowSpec, handlers: dict[str, Any], redis: Any
+    ) -> None:
         super().__init__(invoker, spec, handlers)
         self.store.close()  # run-local's in-process store: not used here
         self.store = RedisStore(redis, spec.name, self.runtime, self.allocator)  # type: ignore[assignment]

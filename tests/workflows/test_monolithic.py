@@ -14,6 +14,7 @@ import torch
 
 from streambox.comm.baselines import RedisServer, RedisUnavailable
 from streambox.config import Config
+from streambox.workflows.engine import Engine
 from streambox.workflows.invoker import InvocationError, InvocationTimeout, Invoker
 from streambox.workflows.monolithic import MonolithicInvoker, meta_key
 from streambox.workflows.validation import parse_spec
@@ -102,8 +103,9 @@ def test_instances_are_processes_keys_cross_them_through_redis_and_failures_stay
     async def scenario() -> None:
         invoker = MonolithicInvoker(config)
         assert isinstance(invoker, Invoker)
+        engine = Engine(invoker)
         try:
-            await invoker.deploy(spec)
+            await engine.deploy(spec)
             assert invoker.describe()["system"] == "monolithic" and invoker.describe()["redis_version"]
             assert invoker.memory_breakdown()["instances"] == 0  # nothing runs before the first call
             from redis import Redis
@@ -131,6 +133,17 @@ def test_instances_are_processes_keys_cross_them_through_redis_and_failures_stay
 
             warm = await invoker.invoke("mono", "act", {"do": "pid"}, "r2")  # an idle instance: warm
             assert not warm.cold_start and warm.output["pid"] in pids and invoker.cold_starts == 2
+            ran = await engine.run("mono", {"do": "put"})  # its key stays until the engine ends it
+            assert ran.ok and ran.cold_starts == 0 and ran.output["pid"] in pids, ran.error
+            assert not redis.keys(f"mono/{ran.request_id}/*")
+
+            # A call its caller abandons (the engine cancels a failed request's other calls) runs
+            # to its end; its instance then goes back to the pool.
+            abandoned = asyncio.ensure_future(invoker.invoke("mono", "act", {"do": "sleep", "s": 0.3}, "r6"))
+            await asyncio.sleep(0.05)
+            abandoned.cancel()
+            await _until(lambda: invoker.memory_breakdown()["busy_instances"] == 0)
+            assert sorted(invoker.live_instances("mono")["act"]) == sorted(pids)
 
             memory = await asyncio.to_thread(invoker.memory_breakdown)  # the sampler's thread
             assert memory["instances"] == 2 and memory["busy_instances"] == 0
@@ -168,7 +181,7 @@ def test_instances_are_processes_keys_cross_them_through_redis_and_failures_stay
             assert _runtimes(config) == 0
             assert list(invoker.runtime_stats()) == []
         finally:
-            await invoker.close()
+            await engine.close()
 
     run(scenario())
 
