@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint clean-venv
+.PHONY: demo zoo test lint clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -11,7 +11,12 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet -e '.[dev,compiler]'
 	touch $(STAMP)
 
+# The README's main job: a short trace replay of Traffic on the three systems, then the comparison.
 demo: $(STAMP)
+	$(VENV)/bin/streambox replay --workflow traffic --system streambox,stream-only,monolithic \
+		--minutes 30 --minute-seconds 1 --scale 0.25 --out runs/demo --overwrite
+
+zoo: $(STAMP)
 	$(VENV)/bin/streambox demo
 
 test: $(STAMP)

@@ -207,12 +207,15 @@ def _proxy_invoker(system: str) -> Callable[[Config, WorkflowOptions, dict[str, 
     def make(config: Config, options: WorkflowOptions, rest: dict[str, str]) -> Invoker:
         from streambox.workflows.proxy_invoker import ProxyInvoker
 
+        proxy_options = _proxy_options(system, rest)
+        # The proxy loads its models at start for the shapes the requests will bring.
+        proxy_options.setdefault("model_shapes", options.inputs)
         return ProxyInvoker(
             config,
             system=system,
             keep_alive_s=options.keep_alive_s,
             stats_period_s=0.25,
-            proxy_options=_proxy_options(system, rest),
+            proxy_options=proxy_options,
         )
 
     return make
