@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import textwrap
-import time
 
 import pytest
 import torch
 
-from streambox.api_proxy.control import ProxyClient, launch_proxy
+from streambox.api_proxy.control import launch_proxy
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig, ablation_options
 from streambox.kernel_compiler.zoo import get_entry
 
@@ -59,15 +58,6 @@ def proxies(tmp_path_factory):
         proxy.stop()
 
 
-def _settled(client: ProxyClient, predicate, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.stats()
-        if predicate(stats) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
-
-
 def _eager_logits(zoo_model, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -84,7 +74,7 @@ def test_stats_report_the_resolved_settings(proxies):
     assert rs["weights_keep_alive_s"] == 0.0 and rs["keep_alive_s"] == static["keep_alive_s"]
 
 
-def test_weights_load_through_the_daemon_and_outputs_stay_exact(proxies, zoo_model, pool):
+def test_weights_load_through_the_daemon_and_outputs_stay_exact(proxies, zoo_model, pool, settled):
     rs = proxies["fm+rs"]
     weights = pool.get_or_lower("resnet18", 1, get_entry("resnet18").small_input_shape).weight_bytes
     want = _eager_logits(zoo_model, seed=3)
@@ -94,7 +84,7 @@ def test_weights_load_through_the_daemon_and_outputs_stay_exact(proxies, zoo_mod
         torch.testing.assert_close(torch.tensor(outputs[name]), want, rtol=1e-4, atol=1e-5)
     # Keep-alive 0: the weights go once idle; the next request loads them again (pipelined) and
     # must still be exact.
-    stats = _settled(rs, lambda s: s["models_resident_bytes"] == 0)
+    stats = settled(rs, lambda s: s["models_resident_bytes"] == 0, 20.0)
     assert stats["models_resident_bytes"] == 0
     again = rs.invoke("classify", {"seed": 3})["output"]["logits"]
     assert again == outputs["fm+rs"]
@@ -111,13 +101,14 @@ def test_weights_load_through_the_daemon_and_outputs_stay_exact(proxies, zoo_mod
     assert static["io"]["nbytes"] == static["models_resident_bytes"] + inputs // 2
 
 
-def test_static_pool_keeps_its_memory_while_fm_rs_shrinks(proxies):
+def test_static_pool_keeps_its_memory_while_fm_rs_shrinks(proxies, settled):
     for client in proxies.values():
         client.invoke("classify", {"seed": 5})
     after = {name: client.stats()["pool"]["reserved_bytes"] for name, client in proxies.items()}
-    rs = _settled(
+    rs = settled(
         proxies["fm+rs"],
         lambda s: s["pool"]["reserved_bytes"] < after["fm+rs"] and s["models_resident_bytes"] == 0,
+        20.0,
     )
     assert rs["pool"]["reserved_bytes"] < after["fm+rs"]  # resilient scaling gave memory back
     # Meanwhile the static pool (no scaler, it never shrinks) still holds what it grew to.

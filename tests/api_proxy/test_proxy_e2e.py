@@ -170,15 +170,6 @@ def _eager_logits(zoo_model, seed: int) -> torch.Tensor:
         return zoo_model("resnet18")(torch.randn(1, 3, 32, 32, generator=g)).flatten()
 
 
-def _settled(client: ProxyClient, predicate, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.stats()
-        if predicate(stats) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("side", ["a", "b"])
 def test_cold_then_warm_instance(proxies, side):
     client = proxies[side].client
@@ -252,7 +243,7 @@ def test_several_instances_of_a_function_run_at_once_on_their_own_streams(a):
 
 
 @pytest.mark.parametrize("side", ["a", "b"])
-def test_a_failing_handler_fails_only_its_request(proxies, side):
+def test_a_failing_handler_fails_only_its_request(proxies, side, settled):
     client = proxies[side].client
     baseline = client.stats()
     with pytest.raises(FunctionFailed, match="ValueError: boom: x"):
@@ -265,7 +256,7 @@ def test_a_failing_handler_fails_only_its_request(proxies, side):
     with pytest.raises(FunctionTimeout, match="timed out after 1.5 s"):
         client.invoke("hang", {}, request_id="r-hang")
     assert client.invoke("noop", {}, request_id="r-after")["output"]["request"] == "r-after"
-    stats = _settled(client, lambda s: s["buffers"] == 0 and s["instances_died"] >= 3)
+    stats = settled(client, lambda s: s["buffers"] == 0 and s["instances_died"] >= 3)
     assert stats["buffers"] == 0 and stats["buffer_bytes"] == 0  # the failed requests' buffers are freed
     assert stats["instances_died"] - baseline["instances_died"] == 3
     assert stats["failures"] - baseline["failures"] == 5
@@ -288,9 +279,9 @@ def test_unknown_function_is_refused_with_the_known_ones(a):
         a.client.invoke("nope", {})
 
 
-def test_idle_instances_scale_to_zero_after_keep_alive(b):
+def test_idle_instances_scale_to_zero_after_keep_alive(b, settled):
     b.client.invoke("noop", {}, request_id="r-ka")
-    stats = _settled(b.client, lambda s: all(f["instances"] == 0 for f in s["functions"].values()), 10.0)
+    stats = settled(b.client, lambda s: all(f["instances"] == 0 for f in s["functions"].values()), 10.0)
     assert all(f["instances"] == 0 for f in stats["functions"].values())
     assert stats["instances_stopped"] >= 1
     assert b.client.invoke("noop", {}, request_id="r-ka2")["cold_start"] is True
