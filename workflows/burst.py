@@ -509,7 +509,8 @@ def print_report(report: BurstReport, file: Any = None) -> None:
         f"burst: {report.workflow} ({report.system}, via {report.via}): "
         f"{len(report.outcomes)} requests, concurrency {report.concurrency}"
     )
-    summary = Table(title=title, show_header=False)
+    console.print(title, style="bold", highlight=False)
+    summary = Table(show_header=False)
     summary.add_column("", justify="left")
     summary.add_column("", justify="right")
     rows = [
