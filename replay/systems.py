@@ -265,7 +265,13 @@ def _monolithic_invoker(config: Config, options: WorkflowOptions, rest: dict[str
     unknown = sorted(set(rest) - set(known))
     if unknown:
         raise ValueError(f"monolithic: unknown options {unknown}; known: {', '.join(known + COMMON_OPTIONS)}")
-    return MonolithicInvoker(config, keep_alive_s=options.keep_alive_s, prewarm=int(rest.get("prewarm", 0)))
+    try:
+        prewarm = int(rest.get("prewarm", 0))
+    except ValueError:
+        raise ValueError(f"monolithic: prewarm is a number of instances, got {rest['prewarm']!r}") from None
+    return MonolithicInvoker(
+        config, keep_alive_s=options.keep_alive_s, prewarm=prewarm, model_shapes=options.inputs
+    )
 
 
 def _monolithic_memory(invoker: Invoker) -> dict[str, float]:
