@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo zoo test lint clean-venv
+.PHONY: demo burst zoo test lint clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/streambox replay --workflow traffic --system streambox,stream-only,monolithic \
 		--minutes 30 --minute-seconds 1 --scale 0.25 --out runs/demo --overwrite
+
+burst: $(STAMP)
+	$(VENV)/bin/streambox burst traffic
 
 zoo: $(STAMP)
 	$(VENV)/bin/streambox demo

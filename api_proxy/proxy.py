@@ -193,6 +193,7 @@ class ProxyServer:
         self._inv_ids = itertools.count(1)
         self._waiters: dict[str, list[_Waiter]] = {}
         self._polls: list[tuple[Instance, Event, Callable[[BaseException | None], None]]] = []
+        self._retiring: list[Stream] = []  # streams of dropped instances, destroyed once retired
         self._posted: deque[Callable[[], None]] = deque()
         self._pids: dict[int, int] = {}  # pid -> instance id
         self._spares = 0  # pre-forked spares the template reported and no assignment took yet
@@ -259,6 +260,9 @@ class ProxyServer:
         )
         store_idle.store_bytes = lambda: store.usage()[cfg.device]
         self.store = store.start()
+        # An allocation the pool cannot meet first asks the store to move stored data off the GPU
+        # (to a peer GPU or host memory, by the store's rules) before it fails.
+        self.memory.pool.add_pressure_handler(lambda nbytes: self.store.reclaim(cfg.device, nbytes))
         self.model_pool = ModelPool(device.model_pool)
         t = _now()
         for spec in cfg.functions:
@@ -363,6 +367,7 @@ class ProxyServer:
             self.template.wait()
         for inst in list(self.instances.values()):
             self._drop_instance(inst, None)
+        self._retire_streams(STOP_GRACE_S)
         if self._sync_pool is not None:
             self._sync_pool.shutdown(wait=True, cancel_futures=True)
         self.io.close()
@@ -515,6 +520,9 @@ class ProxyServer:
             "pool": {"reserved_bytes": pool.reserved_bytes, "allocated_bytes": pool.allocated_bytes},
             "keys": len(self.store.keys()),
             "buffers": len(self.buffers),
+            # Streams of dropped instances not destroyed yet, and streams the pool holds frees for.
+            "retiring_streams": len(self._retiring),
+            "pool_tracked_streams": len(self.memory.pool.tracked_streams()),
             "buffer_bytes": self.buffers.nbytes,
             "models_resident_bytes": self.memory.models.resident_bytes,
             "models": {"loads": self.memory.models.loads, "evictions": self.memory.models.evictions},
@@ -718,8 +726,8 @@ class ProxyServer:
             self.memory.executor.release_instance(inst.key)
         with contextlib.suppress(Exception):
             self.store.release_owner(inst.key)
-        self.memory.pool.fence(inst.stream)  # its frees become everyone's once the stream gets there
-        inst.stream.destroy()
+        self._retiring.append(inst.stream)
+        self._retire_streams(0.0)
         self.transport.remove(inst.id)
         self.pools[inst.spec.name].remove(inst.id)
         self.instances.pop(inst.id, None)
@@ -807,8 +815,22 @@ class ProxyServer:
         return 1
 
     # ================================================================================= timers
+    def _retire_streams(self, timeout_s: float) -> None:
+        """Destroy the streams of dropped instances once the pool holds no free pending on them:
+        a stream still running (a killed instance's last kernels) waits for a later turn, so the
+        dispatcher never blocks on it and no pending block ever refers to a destroyed stream."""
+        still = []
+        for stream in self._retiring:
+            if self.memory.pool.retire_stream(stream, timeout_s=timeout_s):
+                stream.destroy()
+            else:
+                still.append(stream)
+        self._retiring = still
+
     def _timers(self, now: float) -> int:
         n = 0
+        if self._retiring:
+            self._retire_streams(0.0)
         if now >= self._next_parent_check:
             self._next_parent_check = now + PARENT_CHECK_S
             if os.getppid() != self._parent:  # the launcher died: shut down (instances with us)

@@ -90,16 +90,25 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve workflows through the HTTP gateway, one API proxy per workflow."""
-    from streambox.workflows.commands import serve
+    from streambox.workflows.commands import proxy_options_from, serve
     from streambox.workflows.proxy_invoker import ProxyInvoker
 
+    options = proxy_options_from(args)
+    if args.system == "monolithic":
+        from streambox.workflows.monolithic import MonolithicInvoker
+
+        if options:
+            raise ValueError(f"--system monolithic has no proxy; drop {', '.join(sorted(options))}")
+        factory = MonolithicInvoker.factory()
+    else:
+        factory = ProxyInvoker.factory(proxy_options=options)
     serve(
         args.paths,
         host=args.host,
         port=args.port,
         system=args.system,
         config=_config(args),
-        invoker_factory=ProxyInvoker.factory(),
+        invoker_factory=factory,
         on_ready=lambda url: print(f"serving on {url} (Ctrl-C stops)", flush=True),
         small=args.small,
     )
@@ -166,10 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve workflows over HTTP, one API proxy per workflow")
     _add_device_options(serve)
     serve.add_argument("paths", nargs="+", help="workflow YAML files or bundled workflow names")
-    serve.add_argument("--system", default="streambox", help="streambox (default) or stream-only")
+    serve.add_argument(
+        "--system",
+        default="streambox",
+        choices=("streambox", "stream-only", "monolithic"),
+        help="streambox (default), stream-only (the proxy with StreamBox's mechanisms off) or monolithic "
+        "(the baseline: a process and a runtime per function instance, data through Redis)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--small", action="store_true", help="use the zoo's small input shapes")
+    from streambox.workflows.commands import add_proxy_options
+
+    add_proxy_options(serve)
     serve.set_defaults(handler=cmd_serve)
 
     invoke = commands.add_parser("invoke", help="send one request to a running gateway")

@@ -256,8 +256,12 @@ def test_a_failing_handler_fails_only_its_request(proxies, side, settled):
     with pytest.raises(FunctionTimeout, match="timed out after 1.5 s"):
         client.invoke("hang", {}, request_id="r-hang")
     assert client.invoke("noop", {}, request_id="r-after")["output"]["request"] == "r-after"
-    stats = settled(client, lambda s: s["buffers"] == 0 and s["instances_died"] >= 3)
+    stats = settled(
+        client, lambda s: s["buffers"] == 0 and s["instances_died"] >= 3 and s["retiring_streams"] == 0
+    )
     assert stats["buffers"] == 0 and stats["buffer_bytes"] == 0  # the failed requests' buffers are freed
+    # The dead instances' streams are destroyed, and only once the pool holds no free pending on them.
+    assert stats["retiring_streams"] == 0
     assert stats["instances_died"] - baseline["instances_died"] == 3
     assert stats["failures"] - baseline["failures"] == 5
     assert stats["functions"]["hang"]["instances"] == 0
