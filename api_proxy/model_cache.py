@@ -13,9 +13,14 @@ input shapes share them):
   submitted with `io_daemon.load_plan` under the queue key `weights:<model>` (so a large model's
   blocks take turns with other models' and requests' copies), and a user's stream waits on the
   submission's events. `acquire_pipelined(plan, stream)` also returns an `on_kernel` hook while the
-  load is still being issued: the run waits per layer (kernel i for the weights it is the first to
+  load is still in flight: the run waits per layer (kernel i for the weights it is the first to
   use) instead of for the whole model. A daemon in `stream-only` mode issues the copies straight to
   the copy engine on the acquiring stream, in issue order.
+- A thread that must never block (the proxy's dispatcher) asks `would_block(plan)` first: True while
+  the model is not resident or its copies are not all issued yet (an acquire would then wait for the
+  daemon, or read the weights from disk). `hold_issued(plan)`, on a helper thread, starts the load if
+  needed and returns once every copy is issued, holding one user until `release(plan.model)`; the
+  acquire that follows does not block (and still waits per layer on the device while the copies run).
 - `release(model, after=done)`: the user leaves once `after` (its run's `done` event) has
   completed; until then it still counts as a user, so a running kernel never loses its weights.
 - `expire()`: frees the weights of models idle for longer than `keep_alive_s` (the policy decides;
@@ -106,8 +111,40 @@ class ModelCache:
         `stream` does not wait for the whole model); otherwise None (`stream` waits as in `acquire`)."""
         return self._acquire(plan, stream, pipelined=True)
 
+    def would_block(self, plan: KernelPlan) -> bool:
+        """Whether acquiring `plan` now could block the calling thread: its model is not resident (the
+        load reads the weights from disk) or is still being loaded, or the daemon has not issued every
+        copy yet. Never blocks (see `hold_issued`)."""
+        with self._lock:
+            resident = self._resident.get(plan.model)
+        if resident is None or not resident.loaded.is_set():
+            return True
+        load = resident.load
+        return load is not None and load.ticket.error is None and not load.ticket.issued
+
+    def hold_issued(self, plan: KernelPlan, cancelled: Callable[[], bool] | None = None) -> None:
+        """Blocking, for a helper thread: one more user of `plan`'s model (its load started here if it
+        is not resident), returned once the IO daemon has issued every copy of the load, so that an
+        `acquire` of it does not block any more. The caller leaves with `release(plan.model)`; on an
+        error (a failed load, or `cancelled()` turning true) no user is held."""
+        name = plan.model
+        self._acquire(plan, self._stream, pipelined=True, wait=False)
+        try:
+            with self._lock:
+                load = self._resident[name].load
+            while load is not None:
+                try:
+                    load.ticket.last_event(timeout=0.2)
+                    break
+                except TimeoutError:
+                    if cancelled is not None and cancelled():
+                        raise
+        except BaseException:
+            self.release(name)
+            raise
+
     def _acquire(
-        self, plan: KernelPlan, stream: Stream, pipelined: bool
+        self, plan: KernelPlan, stream: Stream, pipelined: bool, wait: bool = True
     ) -> tuple[DeviceModel, OnKernel | None]:
         name = plan.model
         with self._lock:
@@ -155,7 +192,7 @@ class ModelCache:
                     self._release_locked(name)
                 raise RuntimeError(f"loading the weights of {name} failed") from resident.error
         try:
-            hook = self._wait_loaded(resident, plan, stream, pipelined)
+            hook = self._wait_loaded(resident, plan, stream, pipelined) if wait else None
             return self._plan_model(resident, plan), hook
         except BaseException:
             with self._lock:
@@ -173,7 +210,9 @@ class ModelCache:
             return None
         if load.ticket.error is not None:
             raise RuntimeError(f"loading the weights of {resident.name} failed") from load.ticket.error
-        if pipelined and not load.ticket.issued and resident.load_key == plan_key(plan):
+        # Still in flight: wait per layer (direct, stream-only copies are issued at once and in order).
+        direct = load.ticket.issued and self.daemon is not None and self.daemon.config.mode == "stream-only"
+        if pipelined and resident.load_key == plan_key(plan) and not load.ticket.query() and not direct:
             return load.on_kernel(stream)
         load.wait_all(stream)  # blocks until the daemon has issued the last block, if it has not yet
         return None
@@ -232,7 +271,8 @@ class ModelCache:
             self._settle_locked()
             idle = [m for m in self._policy.models() if self._policy.users(m) == 0]
             idle.sort(key=lambda m: self._policy.idle_since(m) or 0.0)
-            return sum(self._resident_bytes(m) for m in self._evict_locked(idle, nbytes))
+            sizes = {m: self._resident_bytes(m) for m in idle}  # before: evicted models are gone after
+            return sum(sizes[m] for m in self._evict_locked(idle, nbytes))
 
     def _resident_bytes(self, model: str) -> int:
         resident = self._resident.get(model)

@@ -18,6 +18,14 @@ has nothing else to do (a spin would take the GIL from the emulated device's ker
 the call to a helper thread that blocks in `Stream.synchronize` and posts the reply back (the
 dispatcher itself must never block).
 
+Nothing slow runs on the dispatcher: a call that needs a plan the proxy has not loaded yet (an input
+shape met for the first time: read from the model pool, or lowered, seconds) or weights the IO daemon
+has not issued yet (a model evicted after its keep-alive, reloaded) hands that wait to a helper thread
+and is *held*, with every later message of its instance (calls keep their order on the stream), until
+it is done; then the call runs again from the start (operations defer before doing anything). Other
+instances' calls go on meanwhile. One lowering per (model, batch, shape) serves every call that wants
+it; its error fails those calls, naming the model and shape.
+
 Failure isolation: a handler that raises fails its request (the instance stays warm); an instance
 that dies (the template reports its exit) or runs past its timeout (the proxy kills it) fails only
 its own request; the proxy then frees what the request held and the instance's stream, and goes on.
@@ -37,7 +45,7 @@ import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,10 +154,24 @@ class Instance:
     first: Invocation | None = None  # the request that started it
     gates: list[Any] = field(default_factory=list)  # IO-daemon tickets the stream must wait on
     refill: bool = False  # it took a pre-forked spare: ask for a new one after its first request
+    held: deque[list[Any]] | None = None  # a call waits off the dispatcher: its later messages, in order
 
     @property
     def key(self) -> str:
         return f"{self.spec.name}#{self.id}"
+
+
+@dataclass(eq=False)
+class _Defer:
+    """An operation that would block the dispatcher: its call (and every later message of the instance)
+    is held until `future` is done, then the call runs again from the start, or `then()` continues it
+    (its value, `_LATER` or another `_Defer`). `what` names the wait in the error of a failed `future`;
+    `release` runs once the call has run again or was dropped."""
+
+    future: Future[Any]
+    what: str
+    then: Callable[[], Any] | None = None
+    release: Callable[[], None] | None = None
 
 
 @dataclass(eq=False)
@@ -202,6 +224,11 @@ class ProxyServer:
         self._next_parent_check = 0.0
         self._evt_buf = bytearray()
         self._sync_pool: ThreadPoolExecutor | None = None
+        # Work the dispatcher must not wait for: plans read or lowered, weights issued by the daemon.
+        self._lower_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="streambox-lower")
+        self._wait_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="streambox-issue")
+        self._lowerings: dict[tuple[str, int, tuple[int, ...]], Future[KernelPlan]] = {}
+        self._closing = False
         self._ops: dict[str, Callable[..., Any]] = {
             "noop": self._op_noop,
             "upload": self._op_upload,
@@ -335,8 +362,8 @@ class ProxyServer:
 
     def _load(self, model: str, batch: int, shape: tuple[int, ...] | None = None) -> KernelPlan:
         """The plan of (model, batch, input shape without the batch; None: the configured default
-        shape), its weights resident. A plan the model pool lacks is lowered here, once (seconds,
-        on the dispatcher: lower ahead with the model pool for shapes a workflow will use)."""
+        shape), its weights resident. A plan the model pool lacks is lowered here, once (blocking:
+        for start-up; at serve time `_plan_for` reads or lowers plans on a helper thread)."""
         if shape is None:
             entry = get_entry(model)  # UnknownModelError names the zoo's models
             shape = entry.small_input_shape if self.config.model_shapes == "small" else None
@@ -370,6 +397,9 @@ class ProxyServer:
         self._retire_streams(STOP_GRACE_S)
         if self._sync_pool is not None:
             self._sync_pool.shutdown(wait=True, cancel_futures=True)
+        self._closing = True  # waits for the daemon give up; a lowering in progress finishes unheard
+        self._wait_pool.shutdown(wait=True, cancel_futures=True)
+        self._lower_pool.shutdown(wait=False, cancel_futures=True)
         self.io.close()
         self.store.close()
         self.memory.pool.fence(self.service)
@@ -430,6 +460,9 @@ class ProxyServer:
                 _, call_id, op, args = message
         except Exception as exc:  # noqa: BLE001 - a malformed message kills only its sender
             self._kill(inst, f"sent a malformed message ({exc})", FunctionCrashed)
+            return
+        if inst.held is not None and kind in (wire.CALL, wire.RESULT):
+            inst.held.append(message)  # a call of the instance waits off the dispatcher: keep the order
             return
         if kind == wire.CALL:
             self._on_call(inst, message)
@@ -715,6 +748,7 @@ class ProxyServer:
             self._refill_spare(inst)
         inst.state = "dead"
         inst.invocation = inst.first = None
+        inst.held = None
         for gate in inst.gates:
             with contextlib.suppress(Exception):
                 gate.wait_all(inst.stream, timeout=STOP_GRACE_S)
@@ -941,9 +975,9 @@ class ProxyServer:
     def _reply(self, inst: Instance, call_id: int, ok: bool, value: Any) -> None:
         self.transport.send(inst.id, wire.pack([wire.REPLY, call_id, ok, value]))
 
-    def _on_call(self, inst: Instance, message: list[Any]) -> None:
+    def _on_call(self, inst: Instance, message: list[Any], again: bool = False) -> None:
         _, call_id, op, args = message
-        self.stats.calls += 1
+        self.stats.calls += not again
         inv = inst.invocation
         try:
             fn = self._ops.get(op)
@@ -951,17 +985,122 @@ class ProxyServer:
                 raise ProxyError(f"unknown call {op!r}; calls: {', '.join(sorted(self._ops))}")
             if inv is None:
                 raise ProxyError(f"call {op!r} outside an invocation")
-            if inst.gates:
-                self._gate(inst)
-            result = fn(inst, inv, call_id, *args)
+            result = self._gates_pending(inst) if inst.gates else None
+            if result is None:
+                if inst.gates:
+                    self._gate(inst)
+                result = fn(inst, inv, call_id, *args)
         except Exception as exc:  # noqa: BLE001 - a failed call fails only that call
             self._reply(inst, call_id, False, encode_error(exc))
             return
-        if result is not _LATER:
-            self._reply(inst, call_id, True, result)
+        self._answer(inst, inv, message, result)
+
+    def _answer(self, inst: Instance, inv: Invocation, message: list[Any], result: Any) -> None:
+        if isinstance(result, _Defer):
+            self._hold(inst, inv, message, result)
+        elif result is not _LATER:
+            self._reply(inst, message[1], True, result)
+
+    # -- calls that wait off the dispatcher --------------------------------------------------------
+    def _post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the dispatcher (from any thread)."""
+        self._posted.append(fn)
+        self.transport.wake()
+
+    def _hold(self, inst: Instance, inv: Invocation, message: list[Any], defer: _Defer) -> None:
+        """Hold the instance's messages until `defer.future` is done, then resume the call."""
+        inst.held = deque()
+        defer.future.add_done_callback(lambda _: self._post(lambda: self._resume(inst, inv, message, defer)))
+
+    def _resume(self, inst: Instance, inv: Invocation, message: list[Any], defer: _Defer) -> None:
+        held, inst.held = inst.held, None
+        try:
+            if inst.state == "dead" or inst.invocation is not inv:
+                return  # the instance died or its request ended meanwhile (it was failed then)
+            error = defer.future.exception()
+            if error is not None:
+                why = ProxyError(f"{defer.what} failed: {type(error).__name__}: {error}")
+                self._reply(inst, message[1], False, encode_error(why))
+            elif defer.then is None:
+                self._on_call(inst, message, again=True)
+            else:
+                try:
+                    result = defer.then()
+                except Exception as exc:  # noqa: BLE001 - a failed call fails only that call
+                    self._reply(inst, message[1], False, encode_error(exc))
+                else:
+                    self._answer(inst, inv, message, result)
+        finally:
+            if defer.release is not None:
+                defer.release()
+        while held and inst.state != "dead":
+            if inst.held is not None:  # a call held again: the rest waits behind it
+                inst.held.extend(held)
+                return
+            later = held.popleft()
+            if later[0] == wire.CALL:
+                self._on_call(inst, later)
+            else:
+                self._on_result(inst, later)
+
+    def _wait_issued(self, tickets: list[Any]) -> None:
+        """On a helper thread: until the daemon has issued every block of `tickets` (or failed them:
+        the call that runs again meets the error)."""
+        for ticket in tickets:
+            while not self._closing:
+                try:
+                    ticket.last_event(timeout=0.2)
+                except TimeoutError:
+                    continue
+                except Exception:  # noqa: BLE001 - the ticket's error, raised where the call uses it
+                    pass
+                break
+
+    def _gates_pending(self, inst: Instance) -> _Defer | None:
+        """The instance's uploads the daemon has not issued yet (waiting for their events would block)."""
+        pending = [t for t in inst.gates if not t.issued and t.error is None]
+        if not pending:
+            return None
+        return _Defer(self._wait_pool.submit(self._wait_issued, pending), "uploading the inputs")
+
+    def _weights_pending(self, plan: KernelPlan) -> _Defer | None:
+        """If the weights of `plan` are not resident or not all issued by the daemon yet: a wait for
+        that on a helper thread (which holds the model until the call has run again)."""
+        models = self.memory.models
+        if not models.would_block(plan):
+            return None
+        future = self._wait_pool.submit(models.hold_issued, plan, lambda: self._closing)
+
+        def release() -> None:
+            if future.exception() is None:
+                models.release(plan.model)
+
+        return _Defer(future, f"loading the weights of {plan.model}", release=release)
+
+    def _plan_for(self, model: str, batch: int, shape: tuple[int, ...]) -> KernelPlan | _Defer:
+        """The plan of (model, batch, shape) if the proxy has it, else a wait for it: read from the model
+        pool or lowered on a helper thread, once however many calls want it."""
+        key = (model, batch, shape)
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan
+        future = self._lowerings.get(key)
+        if future is None:
+            future = self._lower_pool.submit(self.model_pool.get_or_lower, model, batch, shape)
+            self._lowerings[key] = future
+            future.add_done_callback(lambda f: self._post(lambda: self._lowered(key, f)))
+        shape_text = "x".join(map(str, shape))
+        return _Defer(future, f"lowering {model} for batch {batch}, input shape {shape_text}")
+
+    def _lowered(self, key: tuple[str, int, tuple[int, ...]], future: Future[KernelPlan]) -> None:
+        if self._lowerings.get(key) is future:
+            del self._lowerings[key]  # a failed one is tried again by the next call that wants it
+        if future.exception() is None:
+            self.plans.setdefault(key, future.result())
 
     def _gate(self, inst: Instance) -> None:
-        """Later work on the stream waits for the instance's uploads (IO daemon block events)."""
+        """Later work on the stream waits for the instance's uploads (IO daemon block events; issued
+        already where the dispatcher calls this, so it does not block)."""
         gates, inst.gates = inst.gates, []
         for ticket in gates:
             ticket.wait_all(inst.stream)
@@ -1094,14 +1233,35 @@ class ProxyServer:
             raise ValueError(
                 f"model {model!r} takes {len(plan.inputs)} input(s) {plan.inputs}, got {len(inputs)}"
             )
+        # Nothing is done before the plan and the weights are at hand (a deferred call runs again).
+        item = inputs[0]
+        shape = tuple(
+            int(d) for d in (item["tensor"][1] if isinstance(item, dict) else Handle.from_wire(item).shape)
+        )
+        if len(shape) >= 1 and shape != tuple(plan.variables[plan.inputs[0]].shape):
+            # Another batch size or input shape: that plan (read or lowered once), sharing the weights.
+            found = self._plan_for(model, shape[0], shape[1:])
+            if isinstance(found, _Defer):
+                return found
+            plan = found
+        waiting = self._weights_pending(plan)
+        if waiting is not None:
+            return waiting
         given = [
             self._upload(inst, inv, item["tensor"]) if isinstance(item, dict) else self._tensor(inv, item)
             for item in inputs
         ]
-        first = given[0]
-        if len(first.shape) >= 1 and tuple(first.shape) != tuple(plan.variables[plan.inputs[0]].shape):
-            # Another batch size or input shape: that plan (lowered once), sharing the weights.
-            plan = self._load(model, first.shape[0], tuple(first.shape[1:]))
+        return self._infer_run(inst, inv, model, plan, given)
+
+    def _infer_run(
+        self, inst: Instance, inv: Invocation, model: str, plan: KernelPlan, given: list[DeviceTensor]
+    ) -> list[Handle] | _Defer:
+        """The rest of `infer`, its inputs uploaded: continued later (never run again) if the daemon
+        has not issued the uploads' copies yet (or the weights went meanwhile)."""
+        waiting = self._weights_pending(plan) or (self._gates_pending(inst) if inst.gates else None)
+        if waiting is not None:
+            waiting.then = lambda: self._infer_run(inst, inv, model, plan, given)
+            return waiting
         tensors: dict[str, DeviceTensor] = {}
         for name, t in zip(plan.inputs, given, strict=True):
             var = plan.variables[name]
@@ -1228,11 +1388,14 @@ class ProxyServer:
             raise ValueError(
                 f"kernel {index} ({kernel.name}) of {model!r} is a view: metadata only, nothing to launch"
             )
+        waiting = self._weights_pending(plan)
+        if waiting is not None:
+            return waiting
         bound = {name: self._tensor(inv, h) for name, h in buffers.items()}
         missing = [n for n in kernel.accesses if plan.variables[n].kind != "weight" and n not in bound]
         if missing:
             raise ValueError(f"kernel {index} ({kernel.name}) of {model!r} needs buffers for {missing}")
-        resident = self.memory.models.acquire(plan, inst.stream)
+        resident = self.memory.models.acquire(plan, inst.stream)  # issued: does not block
         try:
             env: dict[str, torch.Tensor] = dict(resident.weight_views)
             runtime = self.runtime

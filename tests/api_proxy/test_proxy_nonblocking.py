@@ -1,0 +1,223 @@
+"""The proxy's dispatcher never waits for slow work: a plan lowered for a new input shape, or model
+weights the IO daemon has not issued yet, are waited for off the dispatcher while the call that needs
+them is held; other instances' calls complete meanwhile.
+
+A real proxy (template, forked instances, shared-memory channel), run in this process so that its
+slow steps can be gated deterministically: the model pool's lowering function and the IO daemon's
+issue of weight blocks wait for the test to open a gate. The assertions are causal (a call completes
+while another is provably still waiting), never timings.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from streambox.api_proxy.control import ProxyClient, control_address
+from streambox.api_proxy.errors import FunctionFailed
+from streambox.api_proxy.proxy import ProxyServer
+from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.kernel_compiler.lowering import lower_module
+from streambox.kernel_compiler.model_pool import ModelPool
+from streambox.kernel_compiler.plan import KernelPlan
+from streambox.kernel_compiler.zoo import example_input
+
+HANDLERS = textwrap.dedent(
+    """
+    import os
+    import torch
+    import streambox
+
+    @streambox.function
+    def noop(ctx, event):
+        return {"instance": ctx.instance_id}
+
+    @streambox.function(models=["resnet18"])
+    def classify(ctx, event):
+        g = torch.Generator().manual_seed(event["seed"])
+        x = torch.randn(1, 3, event["size"], event["size"], generator=g)
+        (logits,) = ctx.infer("resnet18", x)
+        return {"logits": ctx.download(logits).flatten().tolist(), "instance": ctx.instance_id}
+    """
+)
+
+WAIT_S = 120.0  # generous: only a broken proxy (or a stuck CI machine) gets near it
+
+
+class Gate:
+    """A step that blocks until the test opens it; `entered` is set when the first caller arrives."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.open = threading.Event()
+        self.calls: list[Any] = []
+
+    def __call__(self, what: Any) -> None:
+        self.calls.append(what)
+        self.entered.set()
+        if not self.open.wait(WAIT_S):
+            raise TimeoutError("the test never opened the gate")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, pool: ModelPool) -> Iterator[tuple[ProxyServer, ProxyClient]]:
+    root = tmp_path_factory.mktemp("proxy_nonblocking")
+    (root / "nonblocking_handlers.py").write_text(HANDLERS)
+    config = ProxyConfig(
+        workflow="wfnb",
+        functions=(
+            FunctionSpec("noop", "nonblocking_handlers:noop"),
+            FunctionSpec("classify", "nonblocking_handlers:classify", models=("resnet18",), max_instances=3),
+        ),
+        sys_path=(str(root),),
+        state_dir=str(root / "state"),
+        model_pool=str(pool.root),  # the session's pool: resnet18 at its small shape, lowered once
+        model_shapes="small",
+        channel="shm",
+        completion="poll",
+        prefork=2,
+    )
+    server = ProxyServer(config).start()
+    thread = threading.Thread(target=server.serve_forever, name="proxy-under-test", daemon=True)
+    thread.start()
+    client = ProxyClient(control_address(server.dir))
+    try:
+        yield server, client
+    finally:
+        server._stop = True
+        thread.join(30.0)
+        client.close()
+        if not thread.is_alive():
+            server.close()
+
+
+def _logits(zoo_model: Callable[[str], Any], seed: int, size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        return zoo_model("resnet18")(torch.randn(1, 3, size, size, generator=g)).flatten()
+
+
+def _held(server: ProxyServer) -> int:
+    """Instances with a call waiting off the dispatcher (a racy read of the dispatcher's state: fine
+    for polling)."""
+    return sum(inst.held is not None for inst in list(server.instances.values()))
+
+
+def _until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _invoke(server: ProxyServer, function: str, event: Any, request_id: str) -> dict[str, Any]:
+    client = ProxyClient(control_address(server.dir))
+    try:
+        return client.invoke(function, event, request_id=request_id, timeout_s=WAIT_S)
+    finally:
+        client.close()
+
+
+def test_a_new_shape_is_lowered_off_the_dispatcher_once_for_every_call_that_wants_it(
+    served, tmp_path, zoo_model
+):
+    server, client = served
+    client.invoke("noop", {}, request_id="warm")
+    client.invoke("classify", {"seed": 0, "size": 32}, request_id="warm")  # the default shape: loaded
+    gate = Gate()
+
+    def lower(name: str, batch: int, shape: tuple[int, ...]) -> KernelPlan:
+        gate((name, batch, shape))
+        if shape == (3, 44, 44):
+            raise RuntimeError("this lowering fails on purpose")
+        return lower_module(zoo_model(name), example_input(name, batch, shape), name)
+
+    server.model_pool = ModelPool(tmp_path / "pool", lower_fn=lower)  # nothing on disk: every shape lowers
+    with concurrent.futures.ThreadPoolExecutor(4) as calls:
+        try:
+            new = [
+                calls.submit(_invoke, server, "classify", {"seed": s, "size": 40}, f"new-{s}") for s in (1, 2)
+            ]
+            gate.entered.wait(WAIT_S)
+            _until(lambda: _held(server) == 2, "both calls at the new shape to wait for its lowering")
+            # The lowering is stuck at the gate, both calls wait for it: the dispatcher still serves.
+            assert client.invoke("noop", {}, request_id="meanwhile")["output"]["instance"] > 0
+            old = calls.submit(_invoke, server, "classify", {"seed": 3, "size": 32}, "old").result(WAIT_S)
+            assert not any(f.done() for f in new)
+            assert _held(server) == 2
+        finally:
+            gate.open.set()
+        results = [f.result(WAIT_S)["output"] for f in new]
+    assert gate.calls == [("resnet18", 1, (3, 40, 40))]  # one lowering for both calls
+    assert len({r["instance"] for r in results}) == 2
+    torch.testing.assert_close(
+        torch.tensor(old["output"]["logits"]), _logits(zoo_model, 3, 32), rtol=1e-4, atol=1e-5
+    )
+    for seed, r in zip((1, 2), results, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(r["logits"]), _logits(zoo_model, seed, 40), rtol=1e-4, atol=1e-5
+        )
+    # Once lowered, the plan is the proxy's: no further lowering.
+    again = client.invoke("classify", {"seed": 1, "size": 40}, request_id="again")["output"]
+    assert again["logits"] == results[0]["logits"]
+    assert len(gate.calls) == 1
+
+    # A lowering that fails fails the calls that wanted it, naming the model and shape; the instance
+    # stays warm, and a later call tries again.
+    with pytest.raises(
+        FunctionFailed,
+        match=r"lowering resnet18 for batch 1, input shape 3x44x44 failed: "
+        r"RuntimeError: this lowering fails on purpose",
+    ):
+        client.invoke("classify", {"seed": 1, "size": 44}, request_id="bad")
+    with pytest.raises(FunctionFailed, match="3x44x44 failed"):
+        client.invoke("classify", {"seed": 1, "size": 44}, request_id="bad-again")
+    assert gate.calls[1:] == [("resnet18", 1, (3, 44, 44))] * 2
+    assert (
+        client.invoke("classify", {"seed": 3, "size": 32}, request_id="after")["output"]["logits"]
+        == (old["output"]["logits"])
+    )
+    assert server._lowerings == {}
+
+
+def test_weights_reloaded_through_the_daemon_are_waited_for_off_the_dispatcher(served, zoo_model, settled):
+    server, client = served
+    client.invoke("noop", {}, request_id="warm")
+    want = client.invoke("classify", {"seed": 9, "size": 32}, request_id="warm")["output"]["logits"]
+    models = server.memory.models
+    settled(client, lambda s: models.users("resnet18") == 0)
+    assert models.evict_idle(1 << 50) > 0 and "resnet18" not in models.resident()
+    loads = models.loads
+    gate = Gate()
+    issue = server.io._issue
+
+    def gated_issue(block: Any, batch_no: int) -> None:  # the daemon's thread: weight blocks wait
+        if str(block.function).startswith("weights:"):
+            gate(block.function)
+        issue(block, batch_no)
+
+    server.io._issue = gated_issue
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as calls:
+            try:
+                run = calls.submit(_invoke, server, "classify", {"seed": 9, "size": 32}, "reload")
+                gate.entered.wait(WAIT_S)
+                _until(lambda: _held(server) == 1, "the call to wait for its weights")
+                # The daemon cannot issue a weight block: the run waits, the dispatcher serves others.
+                assert client.invoke("noop", {}, request_id="meanwhile")["output"]["instance"] > 0
+                assert not run.done()
+            finally:
+                gate.open.set()
+            got = run.result(WAIT_S)["output"]["logits"]
+    finally:
+        del server.io._issue
+    assert got == want
+    assert models.loads == loads + 1
+    torch.testing.assert_close(torch.tensor(got), _logits(zoo_model, 9, 32), rtol=1e-4, atol=1e-5)
