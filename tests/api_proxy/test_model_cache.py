@@ -272,3 +272,50 @@ def test_weights_load_through_the_io_daemon_and_runs_stay_exact(daemon_mode, poo
     else:
         assert pipelined == 0  # direct copies are issued at once: nothing to wait for per layer
     assert runtime.allocated_bytes() == 0
+
+
+def test_hold_issued_lets_a_thread_that_must_not_block_wait_elsewhere(pool, zoo_model, runtime):
+    """`would_block` says whether an acquire would wait for the daemon (never blocking itself);
+    `hold_issued` (a helper thread's call) loads the model and returns once every copy is issued,
+    holding one user; the acquire after it does not block and the run is exact."""
+    from streambox.io_daemon import DaemonConfig, IODaemon
+
+    plan = plan_of(pool, "resnet18", 1)
+    x = example_input("resnet18", 1, tuple(plan.input_shape))
+    with torch.no_grad():
+        want = zoo_model("resnet18")(x)
+    gate = threading.Event()
+    io = IODaemon(runtime, DaemonConfig.ablation(rz=False, bt=False))
+    issue = io._issue
+
+    def gated(block, batch_no):
+        gate.wait(60)
+        issue(block, batch_no)
+
+    io._issue = gated
+    try:
+        with ProxyMemory(runtime, MemoryOptions(mode=PoolMode.FM), daemon=io) as pm:
+            assert pm.models.would_block(plan)  # not resident
+            holder = threading.Thread(target=pm.models.hold_issued, args=(plan,))
+            holder.start()
+            while "resnet18" not in pm.models.resident():
+                holder.join(0.01)
+            assert holder.is_alive() and pm.models.would_block(plan)  # loading, nothing issued yet
+            gate.set()
+            holder.join(60)
+            assert not holder.is_alive()
+            assert not pm.models.would_block(plan) and pm.models.users("resnet18") == 1
+            stream = runtime.create_stream()
+            handle = upload_tensor(runtime, x, pm.pool.allocate, stream)
+            result = pm.infer("f", plan, {plan.inputs[0]: handle}, stream)
+            got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+            pm.pool.free_many([handle.address, *(t.address for t in result.outputs.values())], stream)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            pm.models.release("resnet18")
+            stream.synchronize()
+            assert pm.models.users("resnet18") == 0 and pm.models.loads == 1
+    finally:
+        gate.set()
+        del io._issue
+        io.close()
+    assert runtime.allocated_bytes() == 0
