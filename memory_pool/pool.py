@@ -93,6 +93,9 @@ class PoolConfig:
     fence_bytes: int = 1 * MiB  # record a fence once this many freed bytes wait on one stream...
     fence_frees: int = 64  # ...or this many frees
     wait_own_frees: bool = True  # before growing, wait for this stream's fenced frees in flight
+    # Run-ahead bound: once a stream's fenced frees that the device has not reached, beyond its
+    # newest fence, exceed this many bytes, the freeing thread waits for the oldest fence (None: never).
+    run_ahead_bytes: int | None = 4 * MiB
     oom_wait_s: float = 0.5  # bounded wait for frees in flight before an allocation fails
     metrics: bool = True
     series_limit: int = 100_000
@@ -100,7 +103,12 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         chunk_size_for(0, self.chunk_bytes)  # validates chunk_bytes
-        if self.fence_bytes < 0 or self.fence_frees < 1 or self.oom_wait_s < 0:
+        if (
+            self.fence_bytes < 0
+            or self.fence_frees < 1
+            or self.oom_wait_s < 0
+            or (self.run_ahead_bytes is not None and self.run_ahead_bytes < 0)
+        ):
             raise ValueError(f"invalid pool config: {self}")
 
 
@@ -140,6 +148,8 @@ class PoolCounters:
     trims: int = 0
     trim_bytes: int = 0
     own_frees_waits: int = 0
+    run_ahead_waits: int = 0
+    run_ahead_wait_s: float = 0.0
     pressure_trims: int = 0
     out_of_memory: int = 0
 
@@ -203,8 +213,13 @@ def _aligned(nbytes: int) -> int:
 
 
 def _wait(event: Event, timeout_s: float) -> bool:
-    """Poll `event` until it completes or `timeout_s` passes. Never `synchronize`: that would take
-    the stream's kernel errors away from the function that owns the stream."""
+    """Wait until `event` completes or `timeout_s` passes. Never `synchronize`: that would take
+    the stream's kernel errors away from the function that owns the stream. An emulated event's
+    completion flag (`marker.done`, a `threading.Event`) is waited on directly; other events are
+    polled with a growing pause."""
+    done = getattr(getattr(event, "marker", None), "done", None)
+    if isinstance(done, threading.Event):
+        return done.wait(max(0.0, timeout_s))
     deadline = time.perf_counter() + timeout_s
     pause = 20e-6
     while not event.query():
@@ -284,6 +299,7 @@ class DeviceMemoryPool:
         """Free blocks after the work issued to `stream` so far (None: free for every stream now)."""
         started = time.perf_counter()
         count = 0
+        frees: _StreamFrees | None = None
         with self._lock:
             live = self._live
             if stream is None:
@@ -326,6 +342,38 @@ class DeviceMemoryPool:
                 now = time.perf_counter()
                 metrics.update(now, self._sub.reserved_bytes, self._sub.allocated_bytes, self._demand)
                 metrics.record_free((now - started) / count, count)
+            limit = self.config.run_ahead_bytes
+            if (
+                frees is not None
+                and limit is not None
+                and frees.fenced
+                and frees.pending_bytes - frees.unfenced_bytes > limit
+            ):
+                self._bound_run_ahead(frees, limit)  # flow control, not in the free latency
+
+    def _bound_run_ahead(self, frees: _StreamFrees, limit: int) -> None:
+        """Wait (lock released) until the stream's fenced, not yet reached frees other than its
+        newest fence's are at most `limit` bytes: the issuing thread then stays about one kernel
+        ahead of the device, so the blocks it has freed come back to every stream soon after, and
+        the pool follows the issued demand instead of holding what the host freed long before the
+        device got there. The newest fence stays in flight, so the device never runs dry because of
+        this wait. Bounded by `oom_wait_s` (a stuck stream stops the waiting)."""
+        started = time.perf_counter()
+        deadline = started + self.config.oom_wait_s
+        fenced = frees.fenced
+        waited = False
+        while fenced:
+            if frees.pending_bytes - frees.unfenced_bytes <= limit:
+                break
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0 or not self._unlocked_wait(fenced[0][0], remaining):
+                break
+            waited = True
+            self._collect_stream(frees)
+        if waited:
+            self.counters.run_ahead_waits += 1
+            self.counters.run_ahead_wait_s += time.perf_counter() - started
+            self._update_metrics()
 
     def fence(self, stream: Stream, event: Event | None = None) -> None:
         """Make the frees issued so far on `stream` free for every stream once it reaches this point.

@@ -336,3 +336,42 @@ def test_retire_stream_gives_its_frees_back_and_forgets_it(runtime) -> None:
     assert pool.retire_stream(other) is True
     other.destroy()
     pool.close()
+
+
+def test_a_thread_freeing_far_ahead_of_its_stream_waits_for_the_device(runtime) -> None:
+    # Run-ahead bound: more than `run_ahead_bytes` of fenced frees the stream has not reached yet
+    # make the freeing thread wait for the oldest fence (then the blocks are back for every stream).
+    pool = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1, run_ahead_bytes=1 * MiB))
+    s = runtime.create_stream()
+    blocks = [pool.allocate(1 * MiB, s) for _ in range(2)]
+    opened = gate(runtime, s)
+    pool.free(blocks[0], s)  # 1 MiB in flight: within the bound, no wait
+    assert pool.counters.run_ahead_waits == 0
+    threading.Timer(0.1, opened.set).start()
+    started = time.perf_counter()
+    pool.free(blocks[1], s)  # 2 MiB in flight: waits until the stream passes the gate
+    waited = time.perf_counter() - started
+    assert opened.is_set() and waited >= 0.09
+    assert pool.counters.run_ahead_waits == 1 and pool.counters.run_ahead_wait_s >= 0.09
+    assert pool.stats().pending_free_bytes <= 1 * MiB  # what the stream passed is collected
+    assert pool.metrics is not None and pool.metrics.summary().free.max_us < 0.09e6  # not a free's cost
+    s.synchronize()
+
+
+def test_the_run_ahead_wait_is_bounded_and_can_be_switched_off(runtime) -> None:
+    s = runtime.create_stream()
+    bounded = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1, run_ahead_bytes=0, oom_wait_s=0.05))
+    off = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1, run_ahead_bytes=None))
+    x, y = bounded.allocate(4096, s), off.allocate(4096, s)
+    opened = gate(runtime, s)
+    started = time.perf_counter()
+    bounded.free(x, s)  # a stuck stream: gives up after oom_wait_s, the free still happened
+    assert 0.04 <= time.perf_counter() - started < 2
+    assert bounded.demand_bytes == 0 and bounded.stats().pending_free_bytes == 4096
+    started = time.perf_counter()
+    off.free(y, s)
+    assert time.perf_counter() - started < 0.04 and off.counters.run_ahead_waits == 0
+    opened.set()
+    s.synchronize()
+    with pytest.raises(ValueError):
+        PoolConfig(run_ahead_bytes=-1)
