@@ -58,19 +58,26 @@ def test_the_three_systems_replay_a_real_workflow(tmp_path: Path) -> None:
         sample_interval_s=0.1,
         progress=False,
     )
-    peak_runtimes = {}
+    samples = {}
     for result in results:
         summary = result.summary
         assert summary["requests"]["by_status"] == {"ok": 3}, summary
         config = json.loads((result.run_dir / "config.json").read_text())
         assert config["system_config"]["target"] == result.config.system
-        samples = _rows(result.run_dir / "samples.csv")
-        used = max(float(s["memory_used_bytes"]) for s in samples)
-        context = max(float(s["memory.context_bytes"]) for s in samples)
-        weights = max(float(s.get("memory.weights_bytes") or 0) for s in samples)
-        peak_runtimes[result.config.system] = max(float(s["runtimes"]) for s in samples)
-        assert used >= context + weights > context > 0
-    # One proxy (one context) per workflow; monolithic: a runtime per function instance.
-    assert peak_runtimes["streambox"] == peak_runtimes["stream-only"] == 1
-    assert peak_runtimes["monolithic"] >= 2  # image-processing has two functions
+        samples[result.config.system] = [
+            {k: float(v or 0) for k, v in row.items()} for row in _rows(result.run_dir / "samples.csv")
+        ]
+    for system in ("streambox", "stream-only"):
+        # One proxy, one context; the workflow's weights stay resident beside it the whole run.
+        assert {s["runtimes"] for s in samples[system]} == {1.0}
+        loaded = [s for s in samples[system] if s.get("memory.weights_bytes")]
+        assert loaded and all(
+            s["memory_used_bytes"] >= s["memory.context_bytes"] + s["memory.weights_bytes"] for s in loaded
+        )
+    # Monolithic: a runtime (context) per function instance, two functions here; each sample's device
+    # memory holds at least the contexts of the runtimes it counted.
+    mono = samples["monolithic"]
+    assert max(s["runtimes"] for s in mono) >= 2
+    assert all(s["memory_used_bytes"] >= s["memory.context_bytes"] for s in mono)
+    assert max(s.get("memory.weights_bytes", 0) for s in mono) > 0
     assert report["ratios"] and any((tmp_path / "report").glob("*.png"))
