@@ -20,6 +20,10 @@ Frees are stream-ordered, as with cuMemFreeAsync. `free_many(addresses, stream)`
   stream: once the event has completed, the blocks go back to the sub-allocator and coalesce
   (`collect`; also on the stream's next `free_many` and when an allocation does not fit).
 
+Run-ahead bound: once more than `run_ahead_bytes` (4 MiB) of a stream's fenced frees wait for the
+device, `free_many` waits for the oldest fence before it returns (flow control: the issuing thread
+stays near its device, so freed blocks come back soon after; `counters.run_ahead_waits`).
+
 When nothing fits, an allocation (1) collects completed fences; (2) if its own stream has fenced
 frees in flight that could make room, waits for the oldest of them instead of growing (the host
 waits, the device keeps running the work queued after the fence) -- this keeps the pool at the
@@ -93,9 +97,9 @@ class PoolConfig:
     fence_bytes: int = 1 * MiB  # record a fence once this many freed bytes wait on one stream...
     fence_frees: int = 64  # ...or this many frees
     wait_own_frees: bool = True  # before growing, wait for this stream's fenced frees in flight
-    # Run-ahead bound: once a stream's fenced frees that the device has not reached, beyond its
-    # newest fence, exceed this many bytes, the freeing thread waits for the oldest fence (None: never).
-    run_ahead_bytes: int | None = 4 * MiB
+    # Run-ahead bound: once more than this many bytes of a stream's fenced frees wait for the device
+    # to reach them, the freeing thread waits for the oldest fence (None: never).
+    run_ahead_bytes: int | None = 16 * MiB
     oom_wait_s: float = 0.5  # bounded wait for frees in flight before an allocation fails
     metrics: bool = True
     series_limit: int = 100_000
@@ -352,12 +356,13 @@ class DeviceMemoryPool:
                 self._bound_run_ahead(frees, limit)  # flow control, not in the free latency
 
     def _bound_run_ahead(self, frees: _StreamFrees, limit: int) -> None:
-        """Wait (lock released) until the stream's fenced, not yet reached frees other than its
-        newest fence's are at most `limit` bytes: the issuing thread then stays about one kernel
-        ahead of the device, so the blocks it has freed come back to every stream soon after, and
-        the pool follows the issued demand instead of holding what the host freed long before the
-        device got there. The newest fence stays in flight, so the device never runs dry because of
-        this wait. Bounded by `oom_wait_s` (a stuck stream stops the waiting)."""
+        """Wait (lock released) until at most `limit` bytes of the stream's fenced frees are still
+        ahead of the device, collecting each fence it passes: a host that frees big blocks stays
+        within about one kernel of its device, so the pool follows the issued demand instead of
+        holding what the host freed long before the device got there. Only big frees wait (small
+        plans never reach `limit`), and those kernels run long enough that the device's idle gap
+        until the host issues the next one (the event's wake-up, ~0.1 ms) is small. Bounded by
+        `oom_wait_s`: a stuck stream stops the waiting, the free has happened either way."""
         started = time.perf_counter()
         deadline = started + self.config.oom_wait_s
         fenced = frees.fenced
