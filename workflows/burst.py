@@ -37,7 +37,7 @@ from streambox.api_proxy.errors import ProxyError
 from streambox.api_proxy.proxy_config import SYSTEMS
 from streambox.config import Config
 
-from .commands import load_event, load_specs
+from .commands import add_proxy_options, load_event, load_specs, proxy_options_from
 from .engine import Engine
 from .examples import EXAMPLES, sample_event
 from .gateway import Gateway, GatewayServer
@@ -609,6 +609,7 @@ def add_burst_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         "--completion", choices=("poll", "sync"), help="the proxy's completion: event polling or stream sync"
     )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
+    add_proxy_options(p)
     p.add_argument("--backend", help="device backend: emulated (default) or cuda [STREAMBOX_BACKEND]")
     p.add_argument("--device-preset", help="emulated device preset [STREAMBOX_DEVICE_PRESET]")
     p.add_argument("--gpus", type=int, help="number of emulated GPUs [STREAMBOX_GPUS]")
@@ -636,7 +637,10 @@ def cmd_burst(args: argparse.Namespace) -> int:
             via=args.via,
             system=args.system,
             config=config,
-            proxy_options={"completion": args.completion} if args.completion else None,
+            proxy_options={
+                **proxy_options_from(args),
+                **({"completion": args.completion} if args.completion else {}),
+            },
         )
     except ProxyError as error:  # the proxy could not start: one line (its own log is above)
         print(f"streambox burst: error: the API proxy failed: {error}", file=sys.stderr)
