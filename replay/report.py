@@ -272,14 +272,28 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _options(run: Run) -> str:
+    """The options part of a run's label: "[inputs=full]" of "streambox[inputs=full]", "" when none."""
+    return run.label[len(str(run.summary.get("system", ""))):]
+
+
 def _ratios(runs: list[Run]) -> list[dict[str, str]]:
-    ours = next((r for r in runs if r.summary.get("system") == "streambox" and r.label == "streambox"), None)
+    """StreamBox against each baseline run with the same options (an ablation of StreamBox, whose
+    options the baselines lack, is not "StreamBox")."""
+    ours = next(
+        (
+            r for r in runs
+            if r.summary.get("system") == "streambox"
+            and any(o.summary.get("system") in PAPER_CLAIMS and _options(o) == _options(r) for o in runs)
+        ),
+        None,
+    )
     if ours is None:
         return []
     rows = []
     for other in runs:
         system = other.summary.get("system")
-        if other is ours or system not in PAPER_CLAIMS:
+        if other is ours or system not in PAPER_CLAIMS or _options(other) != _options(ours):
             continue
         claims = PAPER_CLAIMS[system]
         mem = ours.metric("memory", "memory_used_bytes", "mean_bytes") / other.metric(

@@ -133,6 +133,9 @@ class WorkflowTarget:
         try:
             for spec_ in self._specs.values():
                 await self._engine.deploy(spec_)
+            refresh = getattr(invoker, "refresh_stats", None)
+            if refresh is not None:  # the first sample already sees what deploying loaded
+                await refresh()
         except BaseException:
             await self.close()
             raise
