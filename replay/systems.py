@@ -239,10 +239,7 @@ def _proxy_options(system: str, options: dict[str, str]) -> dict[str, Any]:
 def _proxy_memory(invoker: Invoker) -> dict[str, float]:
     """Pool, weights and instances summed over the invoker's proxies, as they reported last."""
     totals = {"pool_reserved_bytes": 0.0, "pool_used_bytes": 0.0, "weights_bytes": 0.0, "instances": 0.0}
-    for wf in list(getattr(invoker, "_workflows", {}).values()):
-        stats = wf.stats
-        if not stats:
-            continue
+    for stats in invoker.last_stats().values():  # type: ignore[attr-defined]
         totals["pool_reserved_bytes"] += stats["pool"]["reserved_bytes"]
         totals["pool_used_bytes"] += stats["pool"]["allocated_bytes"]
         totals["weights_bytes"] += stats.get("models_resident_bytes", 0)

@@ -182,6 +182,10 @@ class ProxyInvoker:
                 instances={fn: v["instances"] for fn, v in s["functions"].items()},
             )
 
+    def last_stats(self) -> dict[str, dict[str, Any]]:
+        """Each warm proxy's last `stats` reply, by workflow (refreshed every `stats_period_s`)."""
+        return {name: wf.stats for name, wf in list(self._workflows.items()) if wf.stats}
+
     async def refresh_stats(self) -> None:
         for wf in list(self._workflows.values()):
             if wf.client is not None:
