@@ -1,0 +1,217 @@
+"""`make gpu-check`: what a real GPU says about StreamBox's device model, in one command (< 10 min).
+
+On the first CUDA device:
+
+1. the `gpu`-marked tests (``pytest -m gpu``);
+2. per zoo model (batch 1, the zoo's input shape): per-kernel times measured with CUDA events around
+   each kernel (a profiled run of the executor through the CUDA backend, median of a few runs),
+   written as the calibration table beside the plan in the model pool (it then overrides the cost
+   model for that GPU: `KernelPlan.kernel_seconds`) and as JSON under ``$OUT`` when set; each
+   compared with the cost model's prediction for that GPU (the error per model);
+3. a short trace replay of Traffic on the CUDA backend for streambox and stream-only.
+
+Without a GPU it says so in one line and exits 0. `calibrate` is the measuring step on any runtime
+(the tests run it on the emulated device's CPU through the same code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from streambox.api_proxy.profiling import profile_on_device
+from streambox.device import Runtime
+from streambox.kernel_compiler import cost_model
+from streambox.kernel_compiler.calibration import CalibrationTable, write_calibration
+from streambox.kernel_compiler.model_pool import ModelPool
+from streambox.kernel_compiler.zoo import ZOO
+
+#: Replay of the check: a few trace minutes, compressed; enough to see both systems serve on the GPU.
+REPLAY_ARGS = ("--workflow", "traffic", "--minutes", "6", "--minute-seconds", "5", "--scale", "0.25")
+
+
+@dataclass(frozen=True)
+class ModelCheck:
+    """One model's measured time on the GPU against the cost model's prediction for it."""
+
+    model: str
+    kernels: int
+    measured_ms: float
+    modelled_ms: float | None  # None: no cost-model preset for this GPU
+
+    @property
+    def error(self) -> float | None:
+        """(modelled - measured) / measured."""
+        if self.modelled_ms is None or self.measured_ms <= 0:
+            return None
+        return (self.modelled_ms - self.measured_ms) / self.measured_ms
+
+
+def table_key(device_name: str) -> str:
+    """The preset a device's tables are stored under: its cost-model preset, else a slug of its name."""
+    preset = cost_model.preset_for_device(device_name)
+    return preset or re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+
+
+def calibrate(
+    pool: ModelPool,
+    runtime: Runtime,
+    model: str,
+    batch: int = 1,
+    input_shape: tuple[int, ...] | None = None,
+    *,
+    preset: str,
+    repeats: int = 5,
+) -> CalibrationTable:
+    """Measure every kernel of `model`'s plan on `runtime` (events around each kernel, median of
+    `repeats` runs after a warm-up) and store the times as the plan's calibration table for `preset`."""
+    profile = profile_on_device(pool, runtime, model, batch, input_shape, repeats=repeats, force=True)
+    plan = pool.get_or_lower(model, batch, input_shape)
+    assert profile.runtime_s is not None  # profile_on_device(force=True) always measures
+    props = runtime.properties()
+    table = CalibrationTable(
+        preset=preset,
+        device=props.name,
+        backend=props.backend,
+        model=model,
+        batch=batch,
+        input_shape=list(plan.input_shape),
+        kernels=[k.name for k in plan.kernels],
+        seconds=list(profile.runtime_s),
+        method=f"events around each kernel of a profiled executor run, median of {repeats} after a warm-up",
+    )
+    write_calibration(pool.path_for(model, batch, input_shape), table)
+    return table
+
+
+def compare(pool: ModelPool, table: CalibrationTable) -> ModelCheck:
+    """The table's total against the cost model's prediction for its preset (where one exists)."""
+    plan = pool.get_or_lower(table.model, table.batch, tuple(table.input_shape))
+    modelled = None
+    if table.preset in cost_model.PRESETS:
+        costs = [cost_model.cost_of(k) for k in plan.kernels]
+        modelled = sum(cost_model.modelled_seconds(costs, table.preset)) * 1e3
+    compute = sum(k.kind == "compute" for k in plan.kernels)
+    return ModelCheck(table.model, compute, table.total_seconds * 1e3, modelled)
+
+
+def _run(command: Sequence[str], timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            list(command), capture_output=True, text=True, timeout=timeout_s, env=env, check=False
+        )
+        rc, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, output = 124, f"timed out after {timeout_s:.0f} s\n{exc.stdout or ''}{exc.stderr or ''}"
+    tail = "\n".join(str(output).splitlines()[-15:])
+    return {"command": list(command), "rc": rc, "seconds": round(time.monotonic() - started, 1), "tail": tail}
+
+
+def _streambox_command() -> list[str]:
+    script = Path(sys.executable).with_name("streambox")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "streambox.cli"]
+
+
+def _print_rows(checks: Sequence[ModelCheck], device: str, preset: str) -> None:
+    print(f"\nper-kernel GPU times on {device} (tables stored as {preset!r}) against the cost model:")
+    print(f"{'model':26s} {'kernels':>7s} {'measured ms':>12s} {'modelled ms':>12s} {'error':>8s}")
+    for c in checks:
+        modelled = "-" if c.modelled_ms is None else f"{c.modelled_ms:12.3f}"
+        error = "-" if c.error is None else f"{c.error:+8.0%}"
+        print(f"{c.model:26s} {c.kernels:7d} {c.measured_ms:12.3f} {modelled:>12s} {error:>8s}")
+
+
+def _open_gpu() -> tuple[Any, str | None]:
+    """(CUDA backend, None), or (None, why not)."""
+    try:
+        from streambox.device import get_backend
+
+        backend = get_backend("cuda")
+    except Exception as exc:  # BackendUnavailable, or cuda-python missing altogether
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None, why if len(why) <= 100 else why[:99] + "…"
+    return backend, None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", help=f"comma-separated zoo models (default all: {', '.join(ZOO)})")
+    p.add_argument("--repeats", type=int, default=5, help="profiled runs per model (median)")
+    p.add_argument("--out", type=Path, help="where the JSON goes (default $OUT; none when unset)")
+    p.add_argument("--skip-tests", action="store_true", help="do not run the gpu-marked tests")
+    p.add_argument("--skip-replay", action="store_true", help="do not replay the short trace")
+    args = p.parse_args(argv)
+    models = args.models.split(",") if args.models else list(ZOO)
+    if unknown := [m for m in models if m not in ZOO]:
+        p.error(f"unknown models {unknown}; known: {', '.join(ZOO)}")
+
+    backend, why = _open_gpu()
+    if backend is None:
+        print(f"gpu-check: no GPU here ({why}); nothing to check")
+        return 0
+
+    out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    report: dict[str, Any] = {}
+    started = time.monotonic()
+    if not args.skip_tests:
+        print("gpu-check: the gpu-marked tests ...", flush=True)
+        pytest = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+        report["tests"] = _run(pytest, 300)
+        print(report["tests"]["tail"])
+
+    pool = ModelPool()
+    runtime = backend.open_runtime(0)
+    try:
+        device = runtime.properties().name
+        preset = table_key(device)
+        checks, tables = [], []
+        for model in models:
+            print(f"gpu-check: measuring {model} ...", flush=True)
+            table = calibrate(pool, runtime, model, preset=preset, repeats=args.repeats)
+            tables.append(table)
+            checks.append(compare(pool, table))
+    finally:
+        runtime.close()
+    _print_rows(checks, device, preset)
+    report.update(
+        device=device,
+        preset=preset,
+        models=[{**asdict(c), "error": c.error} for c in checks],
+        calibration={t.model: asdict(t) for t in tables},
+    )
+
+    if not args.skip_replay:
+        replay_out = (out or Path("runs")) / "gpu-check-replay"
+        env = {**os.environ, "STREAMBOX_BACKEND": "cuda"}
+        command = [
+            *_streambox_command(), "replay", *REPLAY_ARGS, "--system", "streambox,stream-only",
+            "--out", str(replay_out), "--overwrite", "--no-progress",
+        ]
+        print("gpu-check: replaying a short Traffic trace on the CUDA backend ...", flush=True)
+        report["replay"] = _run(command, 360, env)
+        print(report["replay"]["tail"])
+
+    report["seconds"] = round(time.monotonic() - started, 1)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "gpu_check.json"
+        path.write_text(json.dumps(report, indent=1))
+        print(f"gpu-check: wrote {path}")
+    failed = [step for step in ("tests", "replay") if report.get(step, {}).get("rc", 0) != 0]
+    verdict = f"; failed: {', '.join(failed)}" if failed else ""
+    print(f"gpu-check: done in {report['seconds']:.0f} s{verdict}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
