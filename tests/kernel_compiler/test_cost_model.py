@@ -16,6 +16,7 @@ from streambox.kernel_compiler import cost_model
 from streambox.kernel_compiler.cost_model import GpuPreset, KernelCost
 from streambox.kernel_compiler.lowering import lower_module
 from streambox.kernel_compiler.plan import PLAN_FILE, SCHEMA_VERSION, KernelPlan
+from streambox.kernel_compiler.published_latency import PUBLISHED, UNPUBLISHED
 from streambox.kernel_compiler.zoo import ZOO, get_entry
 
 #: Round numbers, so that every expected duration below is exact.
@@ -162,3 +163,14 @@ def test_every_zoo_op_has_a_class_and_every_conv_and_matmul_counts_flops(name, p
     assert not unclassed, f"{name}: ops without a cost class: {unclassed}"
     assert all(k.flops > 0 for k in plan.kernels if k.op_class in ("conv", "matmul"))
     assert all(k.bytes_written > 0 for k in plan.kernels if k.kind == "compute")
+
+
+def test_the_v100_preset_is_within_25_percent_of_every_published_latency(pool) -> None:
+    """The calibration's claim (docs/device.md): batch 1, the zoo's full input shape."""
+    assert {p.model for p in PUBLISHED} | set(UNPUBLISHED) == set(ZOO)
+    assert not {p.model for p in PUBLISHED} & set(UNPUBLISHED)
+    for figure in PUBLISHED:
+        plan = pool.get_or_lower(figure.model, 1)
+        modelled_ms = sum(plan.kernel_seconds("v100-16gb")) * 1e3
+        error = (modelled_ms - figure.ms) / figure.ms
+        assert abs(error) <= 0.25, f"{figure.model}: modelled {modelled_ms:.2f} ms, published {figure.ms:.2f}"
