@@ -10,19 +10,23 @@ docs/device.md), with the error (modelled - published) / published. Goal: within
 published figure. Models without one are listed as such. The H100 column is modelled only.
 
 ``--quick`` changes nothing in the cost-model table (it costs no device time, only the first lowering
-of each model) and is passed on to ``device_timing``.
+of each model) and is passed on to ``device_timing``. ``--fit`` reruns the grid search that chose the
+V100 preset's floor and efficiencies (the points with the smallest largest error, ties included).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, print_table, write_json  # noqa: E402
 
+from streambox.kernel_compiler import cost_model  # noqa: E402
 from streambox.kernel_compiler.calibration import read_calibration  # noqa: E402
 from streambox.kernel_compiler.model_pool import ModelPool  # noqa: E402
 from streambox.kernel_compiler.published_latency import PUBLISHED, UNPUBLISHED  # noqa: E402
@@ -86,6 +90,30 @@ def print_cost_model(rows: list[dict[str, Any]]) -> None:
           f"{', '.join(sorted({r['model'] for r in rows if r['error'] is None}))}")
 
 
+#: The grid of the V100 fit: launch floor (s), conv and matmul efficiency, bandwidth efficiency.
+GRID = (
+    (10e-6, 15e-6, 20e-6, 25e-6, 30e-6, 35e-6, 40e-6),
+    (0.15, 0.18, 0.20, 0.22, 0.25, 0.30),
+    (0.1, 0.2, 0.3, 0.5),
+    (0.30, 0.40, 0.50, 0.60, 0.75),
+)
+
+
+def fit_v100(pool: ModelPool, best: int = 8) -> list[list[Any]]:
+    """Grid points ordered by their largest relative error against the published figures."""
+    models = {p.model for p in PUBLISHED}
+    costs = {m: [cost_model.cost_of(k) for k in pool.get_or_lower(m, 1).kernels] for m in models}
+    base = cost_model.V100_PCIE_16GB
+    scored = []
+    for floor, conv, matmul, bw in itertools.product(*GRID):
+        efficiency = {**base.efficiency, "conv": conv, "matmul": matmul}
+        gpu = replace(base, launch_floor_s=floor, efficiency=efficiency, bw_efficiency=bw)
+        errors = [abs(sum(map(gpu.seconds, costs[p.model])) * 1e3 - p.ms) / p.ms for p in PUBLISHED]
+        scored.append([f"{max(errors):.1%}", f"{floor * 1e6:.0f}", conv, matmul, bw])
+    scored.sort(key=lambda row: float(row[0].rstrip("%")))
+    return scored[:best]
+
+
 def device_timing_tables(quick: bool) -> list[tuple[str, list[str], list[list[Any]]]] | None:
     """The gputime tables: ``device_timing.tables(quick) -> [(title, columns, rows), ...]``."""
     if not DEVICE_TIMING.exists():
@@ -98,9 +126,15 @@ def device_timing_tables(quick: bool) -> list[tuple[str, list[str], list[list[An
 
 
 def main() -> None:
-    args = parser(__doc__.split("\n\n")[0]).parse_args()
-    rows = cost_model_rows(ModelPool())
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--fit", action="store_true", help="rerun the grid search of the V100 calibration")
+    args = p.parse_args()
+    pool = ModelPool()
+    rows = cost_model_rows(pool)
     print_cost_model(rows)
+    if args.fit:
+        print_table("V100 fit: grid points by largest error against the published figures",
+                    ["largest error", "floor us", "conv", "matmul", "bw"], fit_v100(pool))
 
     timing = device_timing_tables(args.quick)
     if timing is None:
