@@ -4,7 +4,8 @@ On the first CUDA device:
 
 1. the `gpu`-marked tests (``pytest -m gpu``);
 2. per zoo model (batch 1, the zoo's input shape): per-kernel times measured with CUDA events around
-   each kernel (a profiled run of the executor through the CUDA backend, median of a few runs),
+   each kernel (a profiled run of the executor through the CUDA backend, queued behind a gate kernel
+   so that the host's issuing is not timed; median of a few runs),
    written as the calibration table beside the plan in the model pool (it then overrides the cost
    model for that GPU: `KernelPlan.kernel_seconds`) and as JSON under ``$OUT`` when set; each
    compared with the cost model's prediction for that GPU (the error per model);
@@ -23,20 +24,30 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from streambox.api_proxy.profiling import profile_on_device
-from streambox.device import Runtime
+import torch
+
+from streambox.api_proxy.device_tensor import DeviceTensor, upload_tensor
+from streambox.api_proxy.executor import DeviceModel, PlanExecutor, RunResult, free_model, upload_model
+from streambox.api_proxy.profiling import measure_kernel_runtimes
+from streambox.device import Runtime, Stream
 from streambox.kernel_compiler import cost_model
 from streambox.kernel_compiler.calibration import CalibrationTable, write_calibration
 from streambox.kernel_compiler.model_pool import ModelPool
-from streambox.kernel_compiler.zoo import ZOO
+from streambox.kernel_compiler.plan import KernelPlan
+from streambox.kernel_compiler.zoo import ZOO, example_input
+from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig
 
 #: Replay of the check: a few trace minutes, compressed; enough to see both systems serve on the GPU.
 REPLAY_ARGS = ("--workflow", "traffic", "--minutes", "6", "--minute-seconds", "5", "--scale", "0.25")
+#: The gate holds the stream this long per kernel of the plan (the host issues one in ~0.1-0.2 ms).
+GATE_S_PER_KERNEL = 0.5e-3
+#: `torch.cuda._sleep` counts clock cycles; assuming a fast clock errs towards a longer gate.
+GATE_CLOCK_HZ = 2.0e9
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,47 @@ def table_key(device_name: str) -> str:
     return preset or re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
 
 
+class _GatedExecutor(PlanExecutor):
+    """An executor whose every run first holds its stream on the GPU for `gate_s`, long enough for the
+    host to issue the whole run behind it: the events around each kernel then time the kernels back to
+    back, not the host's issuing (which at batch 1 is slower than most kernels)."""
+
+    def __init__(self, runtime: Runtime, allocator: DeviceMemoryPool, gate_s: float) -> None:
+        super().__init__(runtime, allocator)
+        self.gate_cycles = int(gate_s * GATE_CLOCK_HZ)
+
+    def run(
+        self, model: DeviceModel, inputs: Mapping[str, DeviceTensor], stream: Stream, **options: Any
+    ) -> RunResult:
+        cycles = self.gate_cycles
+        self.runtime.launch(stream, lambda: torch.cuda._sleep(cycles), name="gate")
+        return super().run(model, inputs, stream, **options)
+
+
+def measure_kernel_seconds(runtime: Runtime, plan: KernelPlan, *, repeats: int = 5) -> list[float]:
+    """Every kernel's time on `runtime` (0.0 for views): events around each kernel of the executor's
+    profiled run, median of `repeats` after a warm-up; on CUDA each run waits behind a gate kernel."""
+    pool = DeviceMemoryPool(runtime, PoolConfig(metrics=False))
+    stream = runtime.create_stream()
+    try:
+        model = upload_model(runtime, plan, pool, stream)
+        example = example_input(plan.model, plan.batch, tuple(plan.input_shape))
+        x = upload_tensor(runtime, example, pool.allocate, stream)
+        if runtime.properties().backend == "cuda":
+            gate_s = GATE_S_PER_KERNEL * len(plan.kernels) + 0.02
+            executor: PlanExecutor = _GatedExecutor(runtime, pool, gate_s)
+        else:  # the emulated device runs each kernel on its stream's worker: nothing to gate
+            executor = PlanExecutor(runtime, pool)
+        seconds = measure_kernel_runtimes(executor, model, {plan.inputs[0]: x}, stream, repeats=repeats)
+        pool.free(x.address, stream)
+        free_model(model, pool, stream)
+        stream.synchronize()
+    finally:
+        pool.close()
+        stream.destroy()
+    return seconds
+
+
 def calibrate(
     pool: ModelPool,
     runtime: Runtime,
@@ -72,11 +124,10 @@ def calibrate(
     preset: str,
     repeats: int = 5,
 ) -> CalibrationTable:
-    """Measure every kernel of `model`'s plan on `runtime` (events around each kernel, median of
-    `repeats` runs after a warm-up) and store the times as the plan's calibration table for `preset`."""
-    profile = profile_on_device(pool, runtime, model, batch, input_shape, repeats=repeats, force=True)
+    """Measure every kernel of `model`'s plan on `runtime` (`measure_kernel_seconds`) and store the
+    times as the plan's calibration table for `preset`."""
     plan = pool.get_or_lower(model, batch, input_shape)
-    assert profile.runtime_s is not None  # profile_on_device(force=True) always measures
+    seconds = measure_kernel_seconds(runtime, plan, repeats=repeats)
     props = runtime.properties()
     table = CalibrationTable(
         preset=preset,
@@ -86,7 +137,7 @@ def calibrate(
         batch=batch,
         input_shape=list(plan.input_shape),
         kernels=[k.name for k in plan.kernels],
-        seconds=list(profile.runtime_s),
+        seconds=seconds,
         method=f"events around each kernel of a profiled executor run, median of {repeats} after a warm-up",
     )
     write_calibration(pool.path_for(model, batch, input_shape), table)
