@@ -107,3 +107,21 @@ def test_tables_are_keyed_by_the_devices_preset() -> None:
     assert table_key("NVIDIA H100 80GB HBM3") == "h100-80gb"
     assert table_key("Tesla V100-SXM2-16GB") == "v100-16gb"
     assert table_key("NVIDIA A100-SXM4-40GB") == "nvidia-a100-sxm4-40gb"  # no preset: a slug, no model
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_gate_times_kernels_not_the_hosts_issuing(own_pool) -> None:
+    from streambox.api_proxy.profiling import profile_on_device
+    from streambox.gpu_check import _open_gpu, measure_kernel_seconds
+
+    backend, why = _open_gpu()
+    if backend is None:
+        pytest.skip(f"no GPU: {why}")
+    plan = own_pool.get_or_lower("resnet18", 1)
+    with backend.open_runtime(0) as runtime:
+        gated = measure_kernel_seconds(runtime, plan, repeats=3)
+        # The plain executor's profiled run: its events also catch the gaps while the host issues.
+        ungated = profile_on_device(own_pool, runtime, "resnet18", 1, repeats=3, force=True).runtime_s
+    assert ungated is not None and len(gated) == len(ungated) == len(plan.kernels)
+    assert all(s > 0 for s, k in zip(gated, plan.kernels, strict=True) if k.kind == "compute")
+    assert sum(gated) < sum(ungated)
