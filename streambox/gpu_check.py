@@ -34,7 +34,7 @@ import torch
 from streambox.api_proxy.device_tensor import DeviceTensor, upload_tensor
 from streambox.api_proxy.executor import DeviceModel, PlanExecutor, RunResult, free_model, upload_model
 from streambox.api_proxy.profiling import measure_kernel_runtimes
-from streambox.device import Runtime, Stream
+from streambox.device import Backend, Runtime, Stream
 from streambox.kernel_compiler import cost_model
 from streambox.kernel_compiler.calibration import CalibrationTable, write_calibration
 from streambox.kernel_compiler.model_pool import ModelPool
@@ -194,6 +194,29 @@ def _open_gpu() -> tuple[Any, str | None]:
     return backend, None
 
 
+def calibrate_models(
+    backend: Backend, pool: ModelPool, models: Sequence[str], *, repeats: int = 5
+) -> dict[str, Any]:
+    """Step 2 on device 0 of `backend`: every model's table written beside its plan, the comparison
+    printed; returns the report's part (device, preset, per-model rows, the tables)."""
+    with backend.open_runtime(0) as runtime:
+        device = runtime.properties().name
+        preset = table_key(device)
+        checks, tables = [], []
+        for model in models:
+            print(f"gpu-check: measuring {model} ...", flush=True)
+            table = calibrate(pool, runtime, model, preset=preset, repeats=repeats)
+            tables.append(table)
+            checks.append(compare(pool, table))
+    _print_rows(checks, device, preset)
+    return {
+        "device": device,
+        "preset": preset,
+        "models": [{**asdict(c), "error": c.error} for c in checks],
+        "calibration": {t.model: asdict(t) for t in tables},
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", help=f"comma-separated zoo models (default all: {', '.join(ZOO)})")
@@ -220,26 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["tests"] = _run(pytest, 300)
         print(report["tests"]["tail"])
 
-    pool = ModelPool()
-    runtime = backend.open_runtime(0)
-    try:
-        device = runtime.properties().name
-        preset = table_key(device)
-        checks, tables = [], []
-        for model in models:
-            print(f"gpu-check: measuring {model} ...", flush=True)
-            table = calibrate(pool, runtime, model, preset=preset, repeats=args.repeats)
-            tables.append(table)
-            checks.append(compare(pool, table))
-    finally:
-        runtime.close()
-    _print_rows(checks, device, preset)
-    report.update(
-        device=device,
-        preset=preset,
-        models=[{**asdict(c), "error": c.error} for c in checks],
-        calibration={t.model: asdict(t) for t in tables},
-    )
+    report.update(calibrate_models(backend, ModelPool(), models, repeats=args.repeats))
 
     if not args.skip_replay:
         replay_out = (out or Path("runs")) / "gpu-check-replay"

@@ -125,3 +125,18 @@ def test_on_a_gpu_the_gate_times_kernels_not_the_hosts_issuing(own_pool) -> None
     assert ungated is not None and len(gated) == len(ungated) == len(plan.kernels)
     assert all(s > 0 for s, k in zip(gated, plan.kernels, strict=True) if k.kind == "compute")
     assert sum(gated) < sum(ungated)
+
+
+def test_the_checks_measuring_step_stores_a_table_per_model_and_reports_the_error(own_pool, tmp_path) -> None:
+    """gpu-check's step 2 as it runs on a GPU, here on the emulated V100 (its CPU times)."""
+    from streambox.gpu_check import calibrate_models
+
+    with EmulatedBackend(spec=SPEC, count=1, state_dir=tmp_path / "state2") as backend:
+        report = calibrate_models(backend, own_pool, ["espcn", "text_encoder"], repeats=1)
+    assert report["device"] == SPEC.name and report["preset"] == "v100-16gb"
+    for row in report["models"]:
+        plan = own_pool.get_or_lower(row["model"], 1)
+        table = read_calibration(plan, "v100-16gb")
+        assert table is not None and report["calibration"][row["model"]]["seconds"] == table.seconds
+        assert row["measured_ms"] == pytest.approx(table.total_seconds * 1e3)
+        assert row["error"] == pytest.approx((row["modelled_ms"] - row["measured_ms"]) / row["measured_ms"])
