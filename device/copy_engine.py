@@ -5,9 +5,15 @@ the copies of *every* stream in the order they become ready, one at a time, so a
 first delays every later stream's copy (the contention of the paper's C3 that the IO daemon removes).
 
 The link is modelled, not measured: `LinkClock` keeps the engine's modelled time and gives each copy
-`start = max(clock, ready)`, `end = start + cost`. The engine thread performs the real memcpy, then
-sleeps until `end` (not at all when it is behind), so the modelled throughput is exact whatever the
-sleep jitter, and the timeline and event timestamps use the modelled times.
+`start = max(clock, ready)`, `end = start + cost`. The engine thread performs the real memcpy (none
+in timed mode), then sleeps until `end` (not at all when it is behind), so the modelled throughput
+is exact whatever the sleep jitter, and the timeline and event timestamps use the modelled times.
+
+The PCIe link itself is one per GPU, shared by every runtime of every process (`SharedLink`, kept in
+the device's ledger): an engine with a shared link reserves link time in chunks of `CHUNK_S`, each
+first come first served on the GPU's link clock, never more than `LOOKAHEAD_S` ahead of the wall
+clock. Two engines copying at once therefore interleave their chunks and each gets about half the
+bandwidth, while each engine stays FIFO for its own runtime's streams.
 """
 
 from __future__ import annotations
@@ -40,6 +46,22 @@ class LinkClock:
         self.nbytes += nbytes
         return start, end
 
+    def note(self, end: float, cost: float, nbytes: int) -> None:
+        """Account a copy placed elsewhere (on a shared link) that ended at `end`."""
+        self.clock = max(self.clock, end)
+        self.busy_seconds += cost
+        self.copies += 1
+        self.nbytes += nbytes
+
+
+#: Link time one reservation covers: the granularity at which concurrent copies share the link.
+CHUNK_S = 0.5e-3
+#: How far ahead of the wall clock an engine may reserve link time.
+LOOKAHEAD_S = 0.5e-3
+
+#: (ready, cost) -> (start, end) on the GPU's shared link in one direction (`Ledger.reserve_link`).
+SharedLink = Callable[[float, float], tuple[float, float]]
+
 
 def sleep_until(deadline: float) -> None:
     remaining = deadline - time.perf_counter()
@@ -67,10 +89,15 @@ class CopyEngine:
     """A thread serving `CopyJob`s strictly in submission order on one modelled link."""
 
     def __init__(
-        self, lane: str, thread_name: str, record: Callable[[TimelineRecord], None] | None = None
+        self,
+        lane: str,
+        thread_name: str,
+        record: Callable[[TimelineRecord], None] | None = None,
+        shared: SharedLink | None = None,
     ) -> None:
         self.lane = lane
         self.link = LinkClock()
+        self._shared = shared
         self._record = record
         self._queue: deque[CopyJob | None] = deque()
         self._cond = threading.Condition()
@@ -105,10 +132,34 @@ class CopyEngine:
                 job.error = exc
                 job.start = job.end = max(self.link.clock, job.ready)
             else:
-                job.start, job.end = self.link.schedule(job.ready, job.cost, job.nbytes)
-                sleep_until(job.end)
+                job.start, job.end = self._transfer(job)
                 if self._record is not None:
                     self._record(
                         TimelineRecord(self.lane, job.kind, job.name, job.start, job.end, job.nbytes)
                     )
             job.done.set()
+
+    def _transfer(self, job: CopyJob) -> tuple[float, float]:
+        """Occupy the link for the job's cost; returns its modelled (start, end) once it has ended."""
+        if self._shared is None:
+            start, end = self.link.schedule(job.ready, job.cost, job.nbytes)
+            sleep_until(end)
+            return start, end
+        t = max(self.link.clock, job.ready)  # this engine is FIFO: after its previous copy
+        left = job.cost
+        start: float | None = None
+        lag = 0.0  # how late this thread serves the copy: chunks are paced from then on, so a late
+        # engine does not catch up by reserving a burst of link time the others could not share
+        while True:
+            piece = min(left, CHUNK_S)
+            sleep_until(t + lag - LOOKAHEAD_S)
+            s, t = self._shared(t, piece)
+            if start is None:
+                start, lag = s, max(0.0, time.perf_counter() - s)
+            left -= piece
+            if left <= 1e-12:
+                break
+        assert start is not None
+        self.link.note(t, job.cost, job.nbytes)
+        sleep_until(t)
+        return start, t

@@ -1,11 +1,19 @@
-"""Cross-process accounting of one emulated GPU: who holds how much memory and how many streams.
+"""Cross-process state of one emulated GPU: memory and streams per runtime, its link and its SMs.
 
-A real GPU's memory is shared by every process of the machine. The emulated one keeps a small ledger
-file per device under a state directory: a header and fixed slots, one per runtime (pid, process start
-time, runtime id, used bytes, streams), in an mmap'ed file guarded by `fcntl.flock` (between processes)
-and a lock (between threads). Every capacity check sums all live slots under the lock. A slot whose
-process has died (exit, `os._exit`, SIGKILL) is reclaimed by whoever next takes the lock; a slot is
-released on `close` and, for runtimes still open, at interpreter exit.
+A real GPU is shared by every process of the machine. The emulated one keeps a small ledger file per
+device under a state directory, mmap'ed and guarded by `fcntl.flock` (between processes) and a lock
+(between threads):
+
+- fixed slots, one per runtime (pid, process start time, runtime id, used bytes, streams). Every
+  capacity check sums all live slots under the lock. A slot whose process has died (exit, `os._exit`,
+  SIGKILL) is reclaimed by whoever next takes the lock; a slot is released on `close` and, for
+  runtimes still open, at interpreter exit;
+- the PCIe link: one modelled clock per direction (host-to-device, device-to-host), on which every
+  runtime's copy engines reserve link time in chunks, so concurrent copies share the bandwidth;
+- the compute units: busy intervals of each context's kernels (timed mode), so that kernels of other
+  contexts time-slice with them (or, under MPS, run beside them); see `gpu_schedule.py`.
+
+Times are `time.perf_counter()` seconds: CLOCK_MONOTONIC, the same in every process of the machine.
 """
 
 from __future__ import annotations
@@ -25,12 +33,17 @@ from pathlib import Path
 from .base import DeviceError, OutOfDeviceMemory
 
 _MAGIC = b"SBXLEDG1"
-_VERSION = 2
+_VERSION = 3
 _HEADER = struct.Struct("<8sIIQ40x")  # magic, version, slot count, total memory -> 64 bytes
 _HIGH_WATER = struct.Struct("<Q")  # at offset 24: slots ever used (scans stop there)
 _HIGH_WATER_OFFSET = 24
+_LINK_CLOCK = struct.Struct("<d")  # at offsets 32 (host-to-device) and 40 (device-to-host)
+_LINK_OFFSETS = {"h2d": 32, "d2h": 40}
+_BUSY_HIGH_OFFSET = 48  # a Q: busy-interval records ever used
 _SLOT = struct.Struct("<qqqqqq")  # pid, start time, runtime id, used bytes, streams, reserved -> 48 bytes
+_BUSY = struct.Struct("<ddqq")  # start, end, slot + 1, MPS client (1) or not (0) -> 32 bytes
 DEFAULT_SLOTS = 512
+BUSY_RECORDS = 1024
 
 
 def default_state_dir() -> Path:
@@ -44,7 +57,7 @@ def default_state_dir() -> Path:
 
 def ledger_path(state_dir: Path, index: int, name: str, total_memory: int) -> Path:
     """One file per emulated GPU: same index, same device name and same capacity = the same GPU."""
-    digest = hashlib.sha1(f"{name}|{total_memory}".encode()).hexdigest()[:12]
+    digest = hashlib.sha1(f"{name}|{total_memory}|v{_VERSION}".encode()).hexdigest()[:12]
     return Path(state_dir) / f"emulated-gpu{index}-{digest}.ledger"
 
 
@@ -107,9 +120,10 @@ class Ledger:
         self._lock = threading.RLock()
         self._depth = 0  # nesting of _locked in the thread holding _lock
         self._owned: dict[int, int] = {}  # slot -> runtime id, slots this process holds
+        self._last_busy: dict[int, int] = {}  # slot -> index of its latest busy record (a hint)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        size = _HEADER.size + slots * _SLOT.size
+        size = _HEADER.size + slots * _SLOT.size + BUSY_RECORDS * _BUSY.size
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             current = os.fstat(self._fd).st_size
@@ -125,7 +139,7 @@ class Ledger:
                         "another state dir"
                     )
                 self.slots = nslots
-                size = _HEADER.size + nslots * _SLOT.size
+                size = _HEADER.size + nslots * _SLOT.size + BUSY_RECORDS * _BUSY.size
             self._map = mmap.mmap(self._fd, size)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -257,6 +271,65 @@ class Ledger:
             del self._owned[slot]
             if self._read(slot)[2] == runtime_id:
                 self._clear(slot)
+
+    # -- the link and the compute units ------------------------------------------------------
+    def reserve_link(self, direction: str, ready: float, cost: float) -> tuple[float, float]:
+        """(start, end) of `cost` seconds of the link in `direction` ("h2d" or "d2h"), first come
+        first served after `ready`, shared by every runtime of the machine on this GPU."""
+        offset = _LINK_OFFSETS[direction]
+        with self._locked():
+            clock = _LINK_CLOCK.unpack_from(self._map, offset)[0]
+            start = max(clock, ready)
+            end = start + cost
+            _LINK_CLOCK.pack_into(self._map, offset, end)
+            return start, end
+
+    def _busy_base(self) -> int:
+        return _HEADER.size + self.slots * _SLOT.size
+
+    def _busy_rows(self) -> list[tuple[float, float, int, int]]:
+        high = min(BUSY_RECORDS, _HIGH_WATER.unpack_from(self._map, _BUSY_HIGH_OFFSET)[0])
+        base = self._busy_base()
+        region = memoryview(self._map)[base : base + high * _BUSY.size]
+        try:
+            return list(_BUSY.iter_unpack(region))
+        finally:
+            region.release()
+
+    def blocking_intervals(self, slot: int, mps: bool, after: float) -> list[tuple[float, float]]:
+        """Busy intervals of other contexts ending after `after` that a kernel of `slot` must not
+        overlap: every other context's, or, for an MPS client, those of contexts outside MPS."""
+        with self._locked():
+            return [
+                (start, end)
+                for start, end, owner, other_mps in self._busy_rows()
+                if end > after and owner != slot + 1 and not (mps and other_mps)
+            ]
+
+    def add_busy(self, slot: int, mps: bool, start: float, end: float, now: float) -> None:
+        """Record that `slot`'s context holds compute units over [start, end). Extends its latest
+        record when the two touch (back-to-back kernels stay one record); reuses expired records."""
+        base = self._busy_base()
+        with self._locked():
+            hint = self._last_busy.get(slot)
+            if hint is not None:
+                s0, e0, owner, _ = _BUSY.unpack_from(self._map, base + hint * _BUSY.size)
+                if owner == slot + 1 and s0 <= start <= e0 + 1e-9:
+                    _BUSY.pack_into(self._map, base + hint * _BUSY.size, s0, max(e0, end), owner, int(mps))
+                    return
+            rows = self._busy_rows()
+            index = next((i for i, row in enumerate(rows) if row[1] <= now), len(rows))
+            if index == BUSY_RECORDS:  # all in use: drop the one that ends first
+                index = min(range(len(rows)), key=lambda i: rows[i][1])
+            if index == len(rows):
+                _HIGH_WATER.pack_into(self._map, _BUSY_HIGH_OFFSET, index + 1)
+            _BUSY.pack_into(self._map, base + index * _BUSY.size, start, end, slot + 1, int(mps))
+            self._last_busy[slot] = index
+
+    def transaction(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the device lock across several calls (`blocking_intervals` then `add_busy`: one
+        atomic placement). Re-entrant."""
+        return self._locked()
 
     def _release_all_owned(self) -> None:
         with self._locked():
