@@ -9,11 +9,11 @@ The link is modelled, not measured: `LinkClock` keeps the engine's modelled time
 in timed mode), then sleeps until `end` (not at all when it is behind), so the modelled throughput
 is exact whatever the sleep jitter, and the timeline and event timestamps use the modelled times.
 
-The PCIe link itself is one per GPU, shared by every runtime of every process (`SharedLink`, kept in
-the device's ledger): an engine with a shared link reserves link time in chunks of `CHUNK_S`, each
-first come first served on the GPU's link clock, never more than `LOOKAHEAD_S` ahead of the wall
-clock. Two engines copying at once therefore interleave their chunks and each gets about half the
-bandwidth, while each engine stays FIFO for its own runtime's streams.
+The PCIe link itself is one per GPU, shared by every runtime of every process (`SharedLink`: one
+direction of it, kept in the device's ledger): an engine with a shared link enters each copy on it
+at the copy's modelled ready time and the link's processor sharing (`link_share.py`) gives its end,
+so two engines copying at once each get about half the bandwidth, while each engine stays FIFO for
+its own runtime's streams.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .base import TimelineRecord
 
@@ -54,13 +55,12 @@ class LinkClock:
         self.nbytes += nbytes
 
 
-#: Link time one reservation covers: the granularity at which concurrent copies share the link.
-CHUNK_S = 0.5e-3
-#: How far ahead of the wall clock an engine may reserve link time.
-LOOKAHEAD_S = 0.5e-3
+class SharedLink(Protocol):
+    """One direction of a GPU's link shared with other runtimes (`ledger.LinkDirection`)."""
 
-#: (ready, cost) -> (start, end) on the GPU's shared link in one direction (`Ledger.reserve_link`).
-SharedLink = Callable[[float, float], tuple[float, float]]
+    def join(self, ready: float, cost: float) -> tuple[int, float, float]: ...
+
+    def poll(self, flow_id: int, now: float) -> tuple[bool, float]: ...
 
 
 def sleep_until(deadline: float) -> None:
@@ -145,21 +145,13 @@ class CopyEngine:
             start, end = self.link.schedule(job.ready, job.cost, job.nbytes)
             sleep_until(end)
             return start, end
-        t = max(self.link.clock, job.ready)  # this engine is FIFO: after its previous copy
-        left = job.cost
-        start: float | None = None
-        lag = 0.0  # how late this thread serves the copy: chunks are paced from then on, so a late
-        # engine does not catch up by reserving a burst of link time the others could not share
+        arrive = max(self.link.clock, job.ready)  # this engine is FIFO: after its previous copy
+        sleep_until(arrive)  # enter the link at the modelled time: arrivals are causal
+        flow, start, end = self._shared.join(arrive, job.cost)
         while True:
-            piece = min(left, CHUNK_S)
-            sleep_until(t + lag - LOOKAHEAD_S)
-            s, t = self._shared(t, piece)
-            if start is None:
-                start, lag = s, max(0.0, time.perf_counter() - s)
-            left -= piece
-            if left <= 1e-12:
+            sleep_until(end)  # the end known so far; later arrivals may push it back
+            done, end = self._shared.poll(flow, time.perf_counter())
+            if done:
                 break
-        assert start is not None
-        self.link.note(t, job.cost, job.nbytes)
-        sleep_until(t)
-        return start, t
+        self.link.note(end, job.cost, job.nbytes)
+        return start, end

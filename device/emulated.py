@@ -17,7 +17,8 @@ Two execution modes (`modes.py`): `functional` (below: real bytes, kernels on th
   stream and does not stop the stream.
 - Every operation can be recorded on a bounded timeline (lanes `stream:<id>`, `h2d`, `d2h`, `peer`).
 - One GPU per device index is shared by every runtime of every process (`ledger.py`): memory, the
-  PCIe link (each runtime's copy engines reserve link time on it in chunks) and, in timed mode, the
+  PCIe link (each runtime's FIFO copy engines in front of it; copies in flight share its bandwidth,
+  `link_share.py`) and, in timed mode, the
   compute units (kernels of different contexts time-slice; MPS clients, `gpu_percent`, run side by
   side within their share; `gpu_schedule.py`).
 - A runtime opened with `framework=True` also pays the ML framework's runtime (memory and
@@ -45,6 +46,7 @@ Where it deliberately differs from CUDA:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import os
@@ -151,6 +153,10 @@ def _device_bytes(alloc: Allocation, offset: int, nbytes: int, what: str) -> tor
     return alloc.data[offset : offset + nbytes]
 
 
+def _end(placed: Placed) -> float:
+    return placed[1]
+
+
 def _process_uptime() -> float:
     """Seconds since this process started (its interpreter start-up and imports included)."""
     ticks = _process_start_time(os.getpid())
@@ -227,14 +233,8 @@ class EmulatedRuntime(Runtime):
         self._compute = ComputeUnits(self.units)
         self._timeline_on = timeline
         self._timeline: deque[TimelineRecord] = deque(maxlen=timeline_limit)
-        self._h2d = CopyEngine(
-            "h2d", f"streambox-emu-{self.name_tag}-h2d", self._record,
-            lambda ready, cost: ledger.reserve_link("h2d", ready, cost),
-        )
-        self._d2h = CopyEngine(
-            "d2h", f"streambox-emu-{self.name_tag}-d2h", self._record,
-            lambda ready, cost: ledger.reserve_link("d2h", ready, cost),
-        )
+        self._h2d = CopyEngine("h2d", f"streambox-emu-{self.name_tag}-h2d", self._record, ledger.link("h2d"))
+        self._d2h = CopyEngine("d2h", f"streambox-emu-{self.name_tag}-d2h", self._record, ledger.link("d2h"))
         self._peer = CopyEngine("peer", f"streambox-emu-{self.name_tag}-peer", self._record)
 
     def __repr__(self) -> str:
@@ -514,12 +514,14 @@ class EmulatedRuntime(Runtime):
         def place(ready: float) -> float:
             now = time.perf_counter()
             with self._place_lock:
-                own = self._placed = [p for p in self._placed if p[1] > now]
+                placed = self._placed  # sorted by end: what ends before `ready` cannot matter
+                del placed[: bisect.bisect_right(placed, now, key=_end)]
+                own = placed[bisect.bisect_right(placed, ready, key=_end) :]
                 with self._ledger.transaction():
                     blocked = self._ledger.blocking_intervals(self._slot, mps, ready)
                     start, end, units = place_kernel(ready, duration, full, want, self.units, own, blocked)
                     self._ledger.add_busy(self._slot, mps, start, end, now)
-                own.append((start, end, units))
+                bisect.insort(placed, (start, end, units), key=_end)
                 self._timed_kernels += 1
                 self._fallback_kernels += duration_s is None
                 self._kernel_seconds += end - start
