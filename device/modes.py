@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 DEVICE_MODES = ("functional", "timed")
 DEFAULT_DEVICE_MODE = "functional"
@@ -28,3 +30,29 @@ def env_device_mode(default: str = DEFAULT_DEVICE_MODE) -> str:
     """`$STREAMBOX_DEVICE_MODE` when set (checked), else `default`."""
     value = os.environ.get(ENV_DEVICE_MODE, "").strip()
     return check_device_mode(value, f"${ENV_DEVICE_MODE}") if value else check_device_mode(default)
+
+
+@contextlib.contextmanager
+def device_mode_env(mode: str) -> Iterator[str]:
+    """Run a block with `$STREAMBOX_DEVICE_MODE` = `mode`, so that the processes it starts (API
+    proxies, monolithic instances) and the configs it builds from the environment follow the run."""
+    check_device_mode(mode)
+    before = os.environ.get(ENV_DEVICE_MODE)
+    os.environ[ENV_DEVICE_MODE] = mode
+    try:
+        yield mode
+    finally:
+        if before is None:
+            os.environ.pop(ENV_DEVICE_MODE, None)
+        else:
+            os.environ[ENV_DEVICE_MODE] = before
+
+
+def describe_device_mode(mode: str) -> str:
+    """One line for a command's output."""
+    if mode == "timed":
+        return (
+            "device mode: timed (GPU time: modelled kernel and copy times, phantom data; "
+            "--device-mode functional runs the kernels for real)"
+        )
+    return "device mode: functional (kernels run on the CPU over real bytes; --device-mode timed: GPU time)"

@@ -1,7 +1,7 @@
 """Device presets for the emulated backend: memory, compute units, the link and the runtime's costs.
 
 Numbers follow the paper's testbed (V100-16GB on PCIe 3.0: ~12 GB/s peak, ~4 GB/s with 16 KB blocks,
-pinned allocation ~200 ms per 200 MB) and public H100 SXM figures. Every field can be overridden
+pinned allocation ~200 ms per 200 MB, Sec. 7.1) and public H100 SXM figures. Every field can be overridden
 (`with_overrides`); `SOURCES` names where each number comes from (docs/device.md prints them).
 
 A runtime costs two things, kept apart: the CUDA context (every runtime: `context_memory`,
@@ -108,10 +108,15 @@ SOURCES: dict[str, str] = {
     "total_memory": "the products' specifications (V100-PCIE-16GB; H100 80GB)",
     "compute_units": "SM count of the products (V100: 80; H100 SXM: 132)",
     "link.pinned_bandwidth": "paper Sec. 7.1 (V100 on PCIe 3.0, ~12 GB/s peak); H100: PCIe 5.0 x16, ~50 GB/s",
-    "link.latency_s": "set so that 16 KB copies reach ~4 GB/s, as the paper measured (Sec. 7.1)",
-    "link.pageable_bandwidth": "modelled: about half the pinned bandwidth (staging through a bounce buffer)",
-    "link.pinned_alloc_s_per_byte": "paper Sec. 4 (pinned allocation ~200 ms per 200 MB)",
+    "link.latency_s": "V100: set so that 16 KB copies reach ~4 GB/s, as the paper measured (Sec. 7.1); "
+    "H100: modelled (2 us)",
+    "link.pageable_bandwidth": "modelled: about half the pinned bandwidth (V100; 40% on H100), staging "
+    "through a bounce buffer",
+    "link.pinned_alloc_s_per_byte": "paper Sec. 7.1 (pinned allocation ~200 ms per 200 MB, V100 host); "
+    "H100: modelled at half that",
     "link.peer_bandwidth": "NVLink 2 (V100, 150 GB/s) and NVLink 4 (H100, 450 GB/s) specifications",
+    "link.peer_latency_s": "modelled: a few microseconds per peer copy call",
+    "link.device_bandwidth": "HBM2 / HBM3 bandwidth of the products (V100 900 GB/s; H100 ~3 TB/s)",
     "context_memory": "modelled: a bare CUDA context, ~300 MiB on V100 (CUDA 11, no lazy loading); "
     "the paper gives the context and framework only together",
     "context_create_s": "modelled: ~0.5 s for a bare context (the rest of the paper's 5 s is the framework)",
