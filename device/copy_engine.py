@@ -128,11 +128,11 @@ class CopyEngine:
                 return
             try:
                 job.run()
+                job.start, job.end = self._transfer(job)
             except BaseException as exc:  # recorded on the stream, raised at its next synchronize
                 job.error = exc
                 job.start = job.end = max(self.link.clock, job.ready)
             else:
-                job.start, job.end = self._transfer(job)
                 if self._record is not None:
                     self._record(
                         TimelineRecord(self.lane, job.kind, job.name, job.start, job.end, job.nbytes)
