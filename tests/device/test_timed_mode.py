@@ -186,3 +186,17 @@ def test_framework_runtime_costs_memory_and_counts_the_process_start_towards_its
     assert framework.properties().extra["framework_memory"] == 8 * MiB
     assert backend.device_usage()[0].used_memory == 2 * spec.context_memory + 8 * MiB
     backend.close()
+
+
+def test_presets_cost_what_the_paper_measured_and_name_every_source():
+    from dataclasses import fields
+
+    from streambox.device.specs import PRESETS, SOURCES, V100_16GB, LinkModel
+
+    # paper Sec. 2, Figs. 2-3: a PyTorch function's runtime up to ~1.4 GB and ~5 s to initialise
+    assert V100_16GB.context_memory + V100_16GB.framework_memory == 1400 * MiB
+    assert V100_16GB.context_create_s + V100_16GB.framework_init_s == pytest.approx(5.0)
+    numbers = [f.name for f in fields(V100_16GB) if f.name not in ("name", "link")]
+    numbers += [f"link.{f.name}" for f in fields(LinkModel)]
+    assert sorted(SOURCES) == sorted(numbers)
+    assert set(PRESETS) == {"v100-16gb", "h100-80gb"}
