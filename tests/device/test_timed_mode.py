@@ -3,6 +3,10 @@ behaviour as functional mode."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -200,3 +204,29 @@ def test_presets_cost_what_the_paper_measured_and_name_every_source():
     numbers += [f"link.{f.name}" for f in fields(LinkModel)]
     assert sorted(SOURCES) == sorted(numbers)
     assert set(PRESETS) == {"v100-16gb", "h100-80gb"}
+
+
+def test_a_fresh_process_pays_the_framework_init_once_its_own_start_up_included(tmp_path):
+    """The child really imports torch; the modelled initialisation only tops its age up to the
+    framework's `framework_init_s` (here 3 s by the run's override), it does not add a second import."""
+    script = (
+        "import json, sys, time\n"
+        "from streambox.device.emulated import EmulatedBackend, _process_uptime\n"
+        "from streambox.device.specs import V100_16GB\n"
+        "spec = V100_16GB.with_overrides(context_create_s=0.0)\n"
+        "backend = EmulatedBackend(spec, state_dir=sys.argv[1])\n"
+        "before = _process_uptime(); t = time.perf_counter()\n"
+        "rt = backend.open_runtime(0, framework=True)\n"
+        "print(json.dumps({'before': before, 'open': time.perf_counter() - t, 'after': _process_uptime(),\n"
+        "                  'bytes': rt.allocated_bytes()}))\n"
+        "rt.close()\n"
+    )
+    env = {**os.environ, "STREAMBOX_FRAMEWORK_INIT_S": "3", "STREAMBOX_FRAMEWORK_MEMORY": "1000"}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "state")], env=env, cwd="/", capture_output=True,
+        text=True, check=True, timeout=120,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["bytes"] == 300 * MiB + 1000  # the context, and the framework as the run overrides it
+    assert report["after"] >= 3.0 - 0.05  # the process is at least as old as the framework's init
+    assert report["open"] <= max(0.0, 3.0 - report["before"]) + 0.3  # its own start-up counted once
