@@ -619,6 +619,8 @@ class EmulatedRuntime(Runtime):
             stream.stop()
         for engine in (self._h2d, self._d2h, self._peer):
             engine.stop()
+        if streams:  # timed mode: placed work ends in modelled time, and so does the context
+            sleep_until(max(stream.tail for stream in streams))
         for pool in list(self._pools):
             pool.destroy()
         for alloc in self._table.all():

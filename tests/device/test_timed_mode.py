@@ -51,7 +51,10 @@ def test_kernels_take_their_duration_in_stream_order_without_running(timed):
     for a, b in zip(kernels, kernels[1:], strict=False):
         assert b.start == a.end  # back to back on one stream
     assert rt.timed_stats()["kernels"] == 5 and rt.timed_stats()["fallback_kernels"] == 0
-    rt.close()
+    rt.launch(s, lambda: None, blocks=8, duration_s=0.05, name="last")
+    t0 = time.perf_counter()
+    rt.close()  # waits for the placed work, as a context's destruction does
+    assert time.perf_counter() - t0 > 0.03
 
 
 def test_fewer_units_make_a_kernel_longer_and_streams_share_the_context_units(timed):
