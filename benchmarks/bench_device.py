@@ -1,6 +1,6 @@
 """The emulated GPU in GPU time (issue 12): the kernel cost model against published V100 latencies,
 then the device-timing figures (host CPU per modelled GPU-second, two-process link sharing and
-time-slicing) from ``benchmarks/device_timing.py`` when that module is present.
+time-slicing) from ``benchmarks/device_timing.py``.
 
 Cost model: per zoo model at batch 1 and the zoo's full input shape, the plan's modelled V100 latency
 (the sum of its kernels' roofline times on the ``v100-16gb`` preset: ``KernelPlan.kernel_seconds``,
@@ -16,7 +16,6 @@ V100 preset's floor and efficiencies (the points with the smallest largest error
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
 from dataclasses import replace
@@ -25,6 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, print_table, write_json  # noqa: E402
+from device_timing import tables as device_timing_tables  # noqa: E402
 
 from streambox.kernel_compiler import cost_model  # noqa: E402
 from streambox.kernel_compiler.calibration import read_calibration  # noqa: E402
@@ -34,7 +34,6 @@ from streambox.kernel_compiler.zoo import ZOO  # noqa: E402
 
 GOAL = 0.25
 PRESET = "v100-16gb"
-DEVICE_TIMING = Path(__file__).resolve().parent / "device_timing.py"
 
 
 def cost_model_rows(pool: ModelPool) -> list[dict[str, Any]]:
@@ -114,17 +113,6 @@ def fit_v100(pool: ModelPool, best: int = 8) -> list[list[Any]]:
     return scored[:best]
 
 
-def device_timing_tables(quick: bool) -> list[tuple[str, list[str], list[list[Any]]]] | None:
-    """The gputime tables: ``device_timing.tables(quick) -> [(title, columns, rows), ...]``."""
-    if not DEVICE_TIMING.exists():
-        return None
-    spec = importlib.util.spec_from_file_location("device_timing", DEVICE_TIMING)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return list(module.tables(quick))
-
-
 def main() -> None:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--fit", action="store_true", help="rerun the grid search of the V100 calibration")
@@ -137,18 +125,14 @@ def main() -> None:
                     ["largest error", "floor us", "conv", "matmul", "bw"], fit_v100(pool))
 
     timing = device_timing_tables(args.quick)
-    if timing is None:
-        print("device timing: benchmarks/device_timing.py is absent; host CPU per GPU-second and the "
-              "two-process sharing figures are skipped")
-    else:
-        for title, columns, table in timing:
-            print_table(title, columns, table)
+    for title, columns, table in timing:
+        print_table(title, columns, table)
     write_json(
         args.json,
         "bench_device",
         {"quick": args.quick, "preset": PRESET, "goal": GOAL},
         {"cost_model": rows, "device_timing": [
-            {"title": t, "columns": c, "rows": r} for t, c, r in (timing or [])
+            {"title": t, "columns": c, "rows": r} for t, c, r in timing
         ]},
     )
 

@@ -1,4 +1,5 @@
-"""The GPU-runtime layer: one interface (`base.py`), an emulated backend (default) and a CUDA backend.
+"""The GPU-runtime layer: one interface (`base.py`), an emulated backend (default; `functional` or
+`timed`, see `modes.py`) and a CUDA backend.
 
 Backends are imported lazily so that importing `streambox.device` never loads a CUDA library.
 """
@@ -24,13 +25,15 @@ from .base import (
     TimelineRecord,
     aligned,
 )
+from .modes import DEVICE_MODES
 from .specs import PRESETS, DeviceSpec, LinkModel, preset
 
 BACKENDS = ("emulated", "cuda")
 
 
 def get_backend(name: str = "emulated", **options: Any) -> Backend:
-    """Open the named backend. Options go to its constructor (emulated: spec, count, state_dir)."""
+    """Open the named backend. Options go to its constructor (emulated: spec, count, state_dir, mode,
+    framework)."""
     if name == "emulated":
         from .emulated import EmulatedBackend
 
@@ -45,6 +48,7 @@ def get_backend(name: str = "emulated", **options: Any) -> Backend:
 __all__ = [
     "ALIGNMENT",
     "BACKENDS",
+    "DEVICE_MODES",
     "PRESETS",
     "Backend",
     "BackendUnavailable",

@@ -5,7 +5,7 @@ a serverless function may use: memory, a stream-ordered pool, pinned host buffer
 streams, events, kernel launch and *stream* synchronisation. Nothing device-wide (no
 `cudaDeviceSynchronize`) is offered, because one function must never stall the others' streams.
 
-Backends: `emulated.py` (default; real host memory, modelled PCIe link and copy engines) and `cuda.py`
+Backends: `emulated.py` (default; functional or timed, modelled PCIe link and copy engines) and `cuda.py`
 (cuda-python driver API). Nothing here imports a CUDA library.
 """
 
@@ -263,8 +263,9 @@ class Runtime(abc.ABC):
 
         `kernel` computes over tensor views of device memory (see `view`). `blocks` is the kernel's
         grid size; it occupies min(blocks, cu_cap, compute_units) compute units while it runs.
-        `duration_s` is the kernel's modelled (or GPU-measured) time at full occupancy; the timed
-        mode of the emulated device runs it for that long, every other backend and mode ignores it.
+        `duration_s`: the kernel's GPU time at full occupancy of `blocks` (modelled or measured). The
+        emulated device in timed mode occupies the stream and units that long instead of running
+        `kernel` (longer with fewer units); in functional mode and on CUDA it is ignored.
         """
 
     @abc.abstractmethod
@@ -313,5 +314,6 @@ class Backend(abc.ABC):
         """Per device: memory used by every runtime of every process on the machine, and streams."""
 
     @abc.abstractmethod
-    def open_runtime(self, index: int = 0) -> Runtime:
-        """Create a context on device `index` (costly: time and device memory)."""
+    def open_runtime(self, index: int = 0, *, gpu_percent: int | None = None) -> Runtime:
+        """Create a context on device `index` (costly: time and device memory). `gpu_percent`: an
+        MPS client limited to that share of the compute units (1-100); None: no MPS."""

@@ -69,14 +69,24 @@ class ComputeUnits:
     def release(self, units: int, name: str, seconds: float, failed: bool = False) -> None:
         with self._cond:
             self._free += units
-            self._busy_cu_seconds += units * seconds
-            entry = self._kernels.setdefault(name, [0, 0, 0.0, 0.0, 0])
-            entry[0] += 1
-            entry[1] = max(entry[1], units)
-            entry[2] += seconds
-            entry[3] += units * seconds
-            entry[4] += int(failed)
+            self._account(units, name, seconds, failed)
             self._cond.notify_all()
+
+    def account(self, units: int, name: str, seconds: float) -> None:
+        """Count a kernel placed in modelled time (timed mode: no admission, no waiting)."""
+        with self._cond:
+            self._peak = max(self._peak, units)
+            self._account(units, name, seconds, False)
+
+    def _account(self, units: int, name: str, seconds: float, failed: bool) -> None:
+        """Caller holds the lock."""
+        self._busy_cu_seconds += units * seconds
+        entry = self._kernels.setdefault(name, [0, 0, 0.0, 0.0, 0])
+        entry[0] += 1
+        entry[1] = max(entry[1], units)
+        entry[2] += seconds
+        entry[3] += units * seconds
+        entry[4] += int(failed)
 
     def stats(self) -> ComputeStats:
         with self._cond:

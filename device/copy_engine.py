@@ -5,9 +5,15 @@ the copies of *every* stream in the order they become ready, one at a time, so a
 first delays every later stream's copy (the contention of the paper's C3 that the IO daemon removes).
 
 The link is modelled, not measured: `LinkClock` keeps the engine's modelled time and gives each copy
-`start = max(clock, ready)`, `end = start + cost`. The engine thread performs the real memcpy, then
-sleeps until `end` (not at all when it is behind), so the modelled throughput is exact whatever the
-sleep jitter, and the timeline and event timestamps use the modelled times.
+`start = max(clock, ready)`, `end = start + cost`. The engine thread performs the real memcpy (none
+in timed mode), then sleeps until `end` (not at all when it is behind), so the modelled throughput
+is exact whatever the sleep jitter, and the timeline and event timestamps use the modelled times.
+
+The PCIe link itself is one per GPU, shared by every runtime of every process (`SharedLink`: one
+direction of it, kept in the device's ledger): an engine with a shared link enters each copy on it
+at the copy's modelled ready time and the link's processor sharing (`link_share.py`) gives its end,
+so two engines copying at once each get about half the bandwidth, while each engine stays FIFO for
+its own runtime's streams.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .base import TimelineRecord
 
@@ -39,6 +46,21 @@ class LinkClock:
         self.copies += 1
         self.nbytes += nbytes
         return start, end
+
+    def note(self, end: float, cost: float, nbytes: int) -> None:
+        """Account a copy placed elsewhere (on a shared link) that ended at `end`."""
+        self.clock = max(self.clock, end)
+        self.busy_seconds += cost
+        self.copies += 1
+        self.nbytes += nbytes
+
+
+class SharedLink(Protocol):
+    """One direction of a GPU's link shared with other runtimes (`ledger.LinkDirection`)."""
+
+    def join(self, ready: float, cost: float) -> tuple[int, float, float]: ...
+
+    def poll(self, flow_id: int, now: float) -> tuple[bool, float]: ...
 
 
 def sleep_until(deadline: float) -> None:
@@ -67,10 +89,15 @@ class CopyEngine:
     """A thread serving `CopyJob`s strictly in submission order on one modelled link."""
 
     def __init__(
-        self, lane: str, thread_name: str, record: Callable[[TimelineRecord], None] | None = None
+        self,
+        lane: str,
+        thread_name: str,
+        record: Callable[[TimelineRecord], None] | None = None,
+        shared: SharedLink | None = None,
     ) -> None:
         self.lane = lane
         self.link = LinkClock()
+        self._shared = shared
         self._record = record
         self._queue: deque[CopyJob | None] = deque()
         self._cond = threading.Condition()
@@ -101,14 +128,30 @@ class CopyEngine:
                 return
             try:
                 job.run()
+                job.start, job.end = self._transfer(job)
             except BaseException as exc:  # recorded on the stream, raised at its next synchronize
                 job.error = exc
                 job.start = job.end = max(self.link.clock, job.ready)
             else:
-                job.start, job.end = self.link.schedule(job.ready, job.cost, job.nbytes)
-                sleep_until(job.end)
                 if self._record is not None:
                     self._record(
                         TimelineRecord(self.lane, job.kind, job.name, job.start, job.end, job.nbytes)
                     )
             job.done.set()
+
+    def _transfer(self, job: CopyJob) -> tuple[float, float]:
+        """Occupy the link for the job's cost; returns its modelled (start, end) once it has ended."""
+        if self._shared is None:
+            start, end = self.link.schedule(job.ready, job.cost, job.nbytes)
+            sleep_until(end)
+            return start, end
+        arrive = max(self.link.clock, job.ready)  # this engine is FIFO: after its previous copy
+        sleep_until(arrive)  # enter the link at the modelled time: arrivals are causal
+        flow, start, end = self._shared.join(arrive, job.cost)
+        while True:
+            sleep_until(end)  # the end known so far; later arrivals may push it back
+            done, end = self._shared.poll(flow, time.perf_counter())
+            if done:
+                break
+        self.link.note(end, job.cost, job.nbytes)
+        return start, end

@@ -697,6 +697,25 @@ def _module_image(path_or_bytes: ModuleImage) -> bytes:
 # the runtime
 
 
+MPS_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
+def _require_mps_share(gpu_percent: int, *, first_context: bool) -> None:
+    if not (isinstance(gpu_percent, int) and 1 <= gpu_percent <= 100):
+        raise ValueError(f"gpu_percent must be an integer from 1 to 100, got {gpu_percent!r}")
+    current = os.environ.get(MPS_PERCENT_ENV)
+    if current == str(gpu_percent):
+        return
+    if first_context and current is None:
+        os.environ[MPS_PERCENT_ENV] = str(gpu_percent)  # read by the driver at context creation
+        return
+    raise DeviceError(
+        f"gpu_percent={gpu_percent}: MPS shares are per process and fixed at its first context "
+        f"(${MPS_PERCENT_ENV}={current!r} here); start a process with "
+        f"{MPS_PERCENT_ENV}={gpu_percent} and the MPS control daemon running"
+    )
+
+
 class CudaRuntime(Runtime):
     """The primary context of one device. Thread-safe; see the module docstring."""
 
@@ -956,6 +975,7 @@ class CudaRuntime(Runtime):
 
         Tensors the callable allocates come from torch's caching allocator (not this runtime's
         accounting). `cu_cap` is advisory here; see `launch_function` for kernels that honour it.
+        `duration_s` is ignored: a real GPU takes the time it takes.
         """
         if blocks < 1:
             raise ValueError(f"blocks must be at least 1, got {blocks}")
@@ -1124,8 +1144,15 @@ class CudaBackend(Backend):
         if not 0 <= index < self._count:
             raise DeviceError(f"no CUDA device {index}: {self._count} visible")
 
-    def open_runtime(self, index: int = 0) -> CudaRuntime:
+    def open_runtime(self, index: int = 0, *, gpu_percent: int | None = None) -> CudaRuntime:
+        """`gpu_percent` needs MPS, which CUDA offers per *process*: the MPS control daemon must run
+        and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` must be set before the process creates its first
+        context. It is set here when this process has no context yet; otherwise it must already
+        equal `gpu_percent`, else this raises (a share cannot change for a live process)."""
         self._check_index(index)
+        if gpu_percent is not None:
+            first = not self.runtimes() and not torch.cuda.is_initialized()
+            _require_mps_share(gpu_percent, first_context=first)
         runtime = CudaRuntime(self, index)
         with self._lock:
             self._runtimes.append(runtime)

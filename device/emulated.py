@@ -1,5 +1,8 @@
 """The emulated backend: the default device of StreamBox, with CUDA's semantics and a modelled link.
 
+Two execution modes (`modes.py`): `functional` (below: real bytes, kernels on the CPU) and `timed`
+(GPU time: kernels last their `duration_s` on the GPU's compute units, data is phantom; see the end).
+
 - Device memory is real host memory (one uint8 tensor per allocation) at synthetic, never-reused
   addresses (`address_space.py`), with exact byte accounting against the spec's capacity, shared by
   every process that opens the same emulated GPU (`ledger.py`).
@@ -13,6 +16,21 @@
   are accounted (`compute.py`). A failing kernel raises `KernelError` at the next synchronize of its
   stream and does not stop the stream.
 - Every operation can be recorded on a bounded timeline (lanes `stream:<id>`, `h2d`, `d2h`, `peer`).
+- One GPU per device index is shared by every runtime of every process (`ledger.py`): memory, the
+  PCIe link (each runtime's FIFO copy engines in front of it; copies in flight share its bandwidth,
+  `link_share.py`) and, in timed mode, the
+  compute units (kernels of different contexts time-slice; MPS clients, `gpu_percent`, run side by
+  side within their share; `gpu_schedule.py`).
+- A runtime opened with `framework=True` also pays the ML framework's runtime (memory and
+  initialisation, `DeviceSpec.framework_*`): a monolithic PyTorch function's runtime. The time the
+  process has already spent starting (its real `import torch`) counts towards that initialisation.
+
+Timed mode: a kernel is placed at issue on the device's compute units (`gpu_schedule.place_kernel`)
+and never runs; events, stream synchronisation and pool frees take effect at modelled times, and a
+caller that waits sleeps until then. Device allocations have addresses and are accounted exactly as
+in functional mode but hold no host memory; copies move nothing (downloads fill the host with zeros);
+`view` returns a `meta` tensor. A launch without `duration_s` lasts `spec.fallback_kernel_s`
+(counted in `timed_stats()`).
 
 Where it deliberately differs from CUDA:
 - Errors are per stream, not sticky per context: a failing kernel (or a copy that finds its memory
@@ -28,8 +46,10 @@ Where it deliberately differs from CUDA:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -58,7 +78,9 @@ from .compute import ComputeStats, ComputeUnits, units_for
 from .copy_engine import CopyEngine, CopyJob, sleep_until
 from .emulated_pool import EmulatedPool
 from .emulated_stream import EmulatedEvent, EmulatedStream
-from .ledger import Ledger, default_state_dir, ledger_path
+from .gpu_schedule import Placed, place_kernel
+from .ledger import Ledger, _process_start_time, default_state_dir, ledger_path
+from .modes import check_device_mode, env_device_mode
 from .specs import V100_16GB, DeviceSpec, preset
 
 DEFAULT_TIMELINE_LIMIT = 100_000
@@ -114,15 +136,52 @@ def _check_range(total: int, offset: int, nbytes: int, what: str) -> None:
         raise ValueError(f"{what}: host range [{offset}, {offset + nbytes}) exceeds {total} bytes")
 
 
-def _device_bytes(alloc: Allocation, offset: int, nbytes: int, what: str) -> torch.Tensor:
-    """The bytes of a device range when the copy runs (the memory may have been freed meanwhile)."""
-    data = alloc.data
-    if data is None or not alloc.usable:
+def _check_usable(alloc: Allocation, offset: int, what: str) -> None:
+    """Raise if the memory was freed before the stream reached the operation."""
+    if not alloc.usable:
         raise InvalidAddress(
             f"use after free: {what} at device address {alloc.start + offset:#x}: allocation "
             f"{alloc.start:#x} was {alloc.state.value} before the stream reached the copy"
         )
-    return data[offset : offset + nbytes]
+
+
+def _device_bytes(alloc: Allocation, offset: int, nbytes: int, what: str) -> torch.Tensor:
+    """The bytes of a device range when the copy runs (the memory may have been freed meanwhile)."""
+    _check_usable(alloc, offset, what)
+    if alloc.data is None:
+        raise InvalidAddress(f"{what}: allocation {alloc.start:#x} has no bytes (timed mode is phantom)")
+    return alloc.data[offset : offset + nbytes]
+
+
+def _end(placed: Placed) -> float:
+    return placed[1]
+
+
+def _process_uptime() -> float:
+    """Seconds since this process started (its interpreter start-up and imports included)."""
+    ticks = _process_start_time(os.getpid())
+    if not ticks or ticks < 0:
+        return 0.0
+    with open("/proc/uptime") as f:
+        boot_uptime = float(f.read().split()[0])
+    return max(0.0, boot_uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def framework_cost(spec: DeviceSpec) -> tuple[int, float]:
+    """(bytes, seconds) of a framework runtime: the spec's, or `$STREAMBOX_FRAMEWORK_MEMORY` (bytes)
+    and `$STREAMBOX_FRAMEWORK_INIT_S` when a run overrides them."""
+    memory, init_s = spec.framework_memory, spec.framework_init_s
+    for name, cast in (("STREAMBOX_FRAMEWORK_MEMORY", int), ("STREAMBOX_FRAMEWORK_INIT_S", float)):
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            try:
+                value = cast(raw)
+            except ValueError:
+                raise ValueError(f"${name}={raw!r}: expected a {cast.__name__} >= 0") from None
+            if value < 0:
+                raise ValueError(f"${name}={raw!r}: expected a {cast.__name__} >= 0")
+            memory, init_s = (value, init_s) if cast is int else (memory, value)
+    return memory, init_s
 
 
 class EmulatedRuntime(Runtime):
@@ -136,27 +195,46 @@ class EmulatedRuntime(Runtime):
         *,
         timeline: bool = True,
         timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
+        mode: str = "functional",
+        gpu_percent: int | None = None,
+        framework_memory: int = 0,
     ) -> None:
         self.index = index
         self.spec: DeviceSpec = backend.spec
         self.backend = backend
+        self.mode = check_device_mode(mode)
+        self.timed = mode == "timed"
+        self.gpu_percent = gpu_percent
+        # MPS limits a client to its share of the SMs; without MPS a context may use them all.
+        self.units = (
+            self.spec.compute_units
+            if gpu_percent is None
+            else max(1, round(self.spec.compute_units * gpu_percent / 100))
+        )
+        self.framework_memory = framework_memory
         self.id = next(_runtime_ids)
         self.name_tag = f"d{index}-r{self.id}"
         self._ledger = ledger
-        self._slot = ledger.acquire_slot(self.id, self.spec.context_memory)
+        overhead = self.spec.context_memory + framework_memory
+        self._slot = ledger.acquire_slot(self.id, overhead)
         self._lock = threading.RLock()
         self._closed = False
-        self._allocated = self.spec.context_memory
+        self._allocated = overhead
+        self._placed: list[Placed] = []  # timed mode: this context's kernels not yet ended
+        self._place_lock = threading.Lock()
+        self._timed_kernels = 0
+        self._fallback_kernels = 0
+        self._kernel_seconds = 0.0
         self._table = AllocationTable()
         self._pools: set[EmulatedPool] = set()
         self._streams: dict[int, EmulatedStream] = {}
         self._all_streams: list[EmulatedStream] = []  # destroyed ones too, to join at close
         self._stream_ids = itertools.count()
-        self._compute = ComputeUnits(self.spec.compute_units)
+        self._compute = ComputeUnits(self.units)
         self._timeline_on = timeline
         self._timeline: deque[TimelineRecord] = deque(maxlen=timeline_limit)
-        self._h2d = CopyEngine("h2d", f"streambox-emu-{self.name_tag}-h2d", self._record)
-        self._d2h = CopyEngine("d2h", f"streambox-emu-{self.name_tag}-d2h", self._record)
+        self._h2d = CopyEngine("h2d", f"streambox-emu-{self.name_tag}-h2d", self._record, ledger.link("h2d"))
+        self._d2h = CopyEngine("d2h", f"streambox-emu-{self.name_tag}-d2h", self._record, ledger.link("d2h"))
         self._peer = CopyEngine("peer", f"streambox-emu-{self.name_tag}-peer", self._record)
 
     def __repr__(self) -> str:
@@ -179,7 +257,7 @@ class EmulatedRuntime(Runtime):
         size = aligned(nbytes)
         self._ledger.reserve(self._slot, self.id, size)
         try:
-            data = torch.empty(size, dtype=torch.uint8)
+            data = None if self.timed else torch.empty(size, dtype=torch.uint8)
         except (RuntimeError, MemoryError) as exc:
             self._ledger.release(self._slot, self.id, size)
             raise DeviceError(f"host memory backing {size} device bytes could not be allocated") from exc
@@ -227,8 +305,12 @@ class EmulatedRuntime(Runtime):
             backend="emulated",
             extra={
                 "link": link,
+                "mode": self.mode,
                 "context_memory": self.spec.context_memory,
                 "context_create_s": self.spec.context_create_s,
+                "framework_memory": self.framework_memory,
+                "gpu_percent": self.gpu_percent,
+                "compute_units_usable": self.units,
                 "ledger": str(self._ledger.path),
                 "runtime_id": self.id,
             },
@@ -297,11 +379,14 @@ class EmulatedRuntime(Runtime):
         _check_range(host.numel(), src_offset, nbytes, "htod copy source")
         alloc, offset = self._table.resolve(dst, nbytes, "htod copy")
         source = host[src_offset : src_offset + nbytes]
-        if not pinned:
+        if not pinned and not self.timed:
             source = source.clone()  # pageable memory is staged by the driver at issue
 
         def run() -> None:
-            _device_bytes(alloc, offset, nbytes, "htod copy").copy_(source)
+            if self.timed:
+                _check_usable(alloc, offset, "htod copy")
+            else:
+                _device_bytes(alloc, offset, nbytes, "htod copy").copy_(source)
 
         cost = self.spec.link.copy_seconds(nbytes, pinned)
         s.enqueue_copy(self._h2d, CopyJob("htod", f"htod {s.lane}", nbytes, cost, 0.0, run))
@@ -317,7 +402,11 @@ class EmulatedRuntime(Runtime):
         target = host[dst_offset : dst_offset + nbytes]
 
         def run() -> None:
-            target.copy_(_device_bytes(alloc, offset, nbytes, "dtoh copy"))
+            if self.timed:
+                _check_usable(alloc, offset, "dtoh copy")
+                target.zero_()  # phantom data: a download reads zeros
+            else:
+                target.copy_(_device_bytes(alloc, offset, nbytes, "dtoh copy"))
 
         cost = self.spec.link.copy_seconds(nbytes, pinned)
         s.enqueue_copy(self._d2h, CopyJob("dtoh", f"dtoh {s.lane}", nbytes, cost, 0.0, run))
@@ -332,17 +421,22 @@ class EmulatedRuntime(Runtime):
         cost = nbytes / self.spec.link.device_bandwidth
 
         def run(ready: float) -> float:
-            source = _device_bytes(src_alloc, src_off, nbytes, "dtod copy source")
-            target = _device_bytes(dst_alloc, dst_off, nbytes, "dtod copy destination")
-            if dst_alloc is src_alloc and abs(dst_off - src_off) < nbytes:
-                source = source.clone()  # overlapping ranges: memmove semantics
-            target.copy_(source)
+            if self.timed:
+                _check_usable(src_alloc, src_off, "dtod copy source")
+                _check_usable(dst_alloc, dst_off, "dtod copy destination")
+            else:
+                source = _device_bytes(src_alloc, src_off, nbytes, "dtod copy source")
+                target = _device_bytes(dst_alloc, dst_off, nbytes, "dtod copy destination")
+                if dst_alloc is src_alloc and abs(dst_off - src_off) < nbytes:
+                    source = source.clone()  # overlapping ranges: memmove semantics
+                target.copy_(source)
             end = ready + cost
-            sleep_until(end)
+            if not self.timed:
+                sleep_until(end)
             self._record(TimelineRecord(s.lane, "dtod", f"dtod {s.lane}", ready, end, nbytes))
             return end
 
-        s.enqueue(run)
+        s.enqueue(run, inline=True)
 
     def copy_peer_async(self, dst: int, dst_runtime: Runtime, src: int, nbytes: int, stream: Stream) -> None:
         self._check_open()
@@ -356,6 +450,10 @@ class EmulatedRuntime(Runtime):
         src_alloc, src_off = self._table.resolve(src, nbytes, "peer copy source")
 
         def run() -> None:
+            if self.timed or dst_runtime.timed:
+                _check_usable(src_alloc, src_off, "peer copy source")
+                _check_usable(dst_alloc, dst_off, "peer copy destination")
+                return
             source = _device_bytes(src_alloc, src_off, nbytes, "peer copy source")
             _device_bytes(dst_alloc, dst_off, nbytes, "peer copy destination").copy_(source)
 
@@ -376,7 +474,10 @@ class EmulatedRuntime(Runtime):
     ) -> None:
         self._check_open()
         s = self.own_stream(stream)
-        units = units_for(blocks, cu_cap, self.spec.compute_units)
+        units = units_for(blocks, cu_cap, self.units)
+        if self.timed:
+            self._launch_timed(s, blocks, units, name, duration_s)
+            return
 
         def run(ready: float) -> float:
             self._compute.acquire(units)
@@ -397,6 +498,49 @@ class EmulatedRuntime(Runtime):
             return end
 
         s.enqueue(run)
+
+    def _launch_timed(
+        self, s: EmulatedStream, blocks: int, want: int, name: str, duration_s: float | None
+    ) -> None:
+        if duration_s is None:
+            duration = self.spec.fallback_kernel_s
+        elif duration_s < 0 or not math.isfinite(duration_s):
+            raise ValueError(f"kernel {name!r}: duration_s must be a finite number >= 0, got {duration_s}")
+        else:
+            duration = duration_s
+        full = min(blocks, self.spec.compute_units)
+        mps = self.gpu_percent is not None
+
+        def place(ready: float) -> float:
+            now = time.perf_counter()
+            with self._place_lock:
+                placed = self._placed  # sorted by end: what ends before `ready` cannot matter
+                del placed[: bisect.bisect_right(placed, now, key=_end)]
+                own = placed[bisect.bisect_right(placed, ready, key=_end) :]
+                with self._ledger.transaction():
+                    blocked = self._ledger.blocking_intervals(self._slot, mps, ready)
+                    start, end, units = place_kernel(ready, duration, full, want, self.units, own, blocked)
+                    self._ledger.add_busy(self._slot, mps, start, end, now)
+                bisect.insort(placed, (start, end, units), key=_end)
+                self._timed_kernels += 1
+                self._fallback_kernels += duration_s is None
+                self._kernel_seconds += end - start
+            self._compute.account(units, name, end - start)
+            self._record(TimelineRecord(s.lane, "kernel", name, start, end, 0, units))
+            return end
+
+        s.enqueue(place, inline=True)
+
+    def timed_stats(self) -> dict[str, float]:
+        """Timed mode: kernels placed, those that had no `duration_s` (placed at the fallback
+        duration), and the modelled seconds they occupy the GPU (summed over kernels)."""
+        with self._place_lock:
+            return {
+                "kernels": self._timed_kernels,
+                "fallback_kernels": self._fallback_kernels,
+                "fallback_kernel_s": self.spec.fallback_kernel_s,
+                "kernel_seconds": self._kernel_seconds,
+            }
 
     def view(
         self,
@@ -419,6 +563,10 @@ class EmulatedRuntime(Runtime):
             span = 0 if numel == 0 else 1 + sum((d - 1) * st for d, st in zip(shape, strides, strict=True))
         nbytes = span * itemsize
         alloc, offset = self._table.resolve(address, nbytes, "view")
+        if self.timed:  # phantom data: the shape and layout without bytes
+            _check_usable(alloc, offset, "view")
+            layout = strides if strides is not None else _contiguous_strides(shape)
+            return torch.empty_strided(shape, layout, dtype=dtype, device="meta")
         if offset % itemsize:
             raise InvalidAddress(
                 f"view at device address {address:#x} is misaligned for {dtype} ({itemsize} bytes)"
@@ -471,6 +619,8 @@ class EmulatedRuntime(Runtime):
             stream.stop()
         for engine in (self._h2d, self._d2h, self._peer):
             engine.stop()
+        if streams:  # timed mode: placed work ends in modelled time, and so does the context
+            sleep_until(max(stream.tail for stream in streams))
         for pool in list(self._pools):
             pool.destroy()
         for alloc in self._table.all():
@@ -495,9 +645,13 @@ class EmulatedBackend(Backend):
         *,
         timeline: bool = True,
         timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
+        mode: str | None = None,
+        framework: bool = False,
     ) -> None:
         if count < 1:
             raise ValueError(f"need at least one device, got {count}")
+        self.mode = env_device_mode() if mode is None else check_device_mode(mode, "EmulatedBackend mode")
+        self.framework = framework
         self.spec = preset(spec) if isinstance(spec, str) else spec
         self.count = count
         self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
@@ -507,7 +661,7 @@ class EmulatedBackend(Backend):
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"<EmulatedBackend {self.count} x {self.spec.name} state={self.state_dir}>"
+        return f"<EmulatedBackend {self.count} x {self.spec.name} {self.mode} state={self.state_dir}>"
 
     def ledger(self, index: int) -> Ledger:
         if not 0 <= index < self.count:
@@ -527,11 +681,31 @@ class EmulatedBackend(Backend):
             )
         return usages
 
-    def open_runtime(self, index: int = 0) -> EmulatedRuntime:
+    def open_runtime(
+        self, index: int = 0, *, gpu_percent: int | None = None, framework: bool | None = None
+    ) -> EmulatedRuntime:
+        """A context on device `index`: `context_create_s` and `context_memory`, plus the framework's
+        runtime when `framework` (default: the backend's). `gpu_percent`: an MPS client limited to
+        that share of the compute units (its kernels run beside other MPS clients' instead of
+        time-slicing with them)."""
+        if gpu_percent is not None and not (isinstance(gpu_percent, int) and 1 <= gpu_percent <= 100):
+            raise ValueError(f"gpu_percent must be an integer from 1 to 100, got {gpu_percent!r}")
         ledger = self.ledger(index)
-        time.sleep(self.spec.context_create_s)
+        framework = self.framework if framework is None else framework
+        framework_memory, framework_init_s = framework_cost(self.spec) if framework else (0, 0.0)
+        # The process's real start-up (interpreter, `import torch`) is part of the framework's
+        # initialisation: only the rest is modelled, so the import is not counted twice.
+        modelled_init = max(0.0, framework_init_s - _process_uptime()) if framework else 0.0
+        time.sleep(self.spec.context_create_s + modelled_init)
         runtime = EmulatedRuntime(
-            self, index, ledger, timeline=self.timeline, timeline_limit=self.timeline_limit
+            self,
+            index,
+            ledger,
+            timeline=self.timeline,
+            timeline_limit=self.timeline_limit,
+            mode=self.mode,
+            gpu_percent=gpu_percent,
+            framework_memory=framework_memory,
         )
         with self._lock:
             self._runtimes.add(runtime)

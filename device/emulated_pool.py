@@ -7,12 +7,19 @@ retries. `free_async` marks the block pending at once (a second free raises) and
 cache when the stream reaches the free. `used_bytes` counts whole blocks handed out; `reserved_bytes`
 counts every block the pool holds. Cached memory above the release threshold is given back at the
 runtime's synchronisation points (stream or event synchronize), as CUDA does.
+
+A free takes effect at the stream's modelled time: in timed mode that may still be in the future when
+the stream resolves it, so the block waits in `_due` and joins the cache once the clock passes it
+(settled lazily by every call that looks at the pool: no thread, no sleep).
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from .address_space import Allocation, State
@@ -36,12 +43,27 @@ class EmulatedPool(MemoryPool):
         self._cached: list[tuple[int, int]] = []  # (size, address) of cached blocks, sorted
         self._reserved = 0
         self._used = 0
+        self._due: list[tuple[float, int, Allocation]] = []  # (time, tie-break, block) freed later
+        self._due_ids = itertools.count()
         self._destroyed = False
 
     def __repr__(self) -> str:
         return f"<EmulatedPool reserved={self._reserved} used={self._used}>"
 
     # -- allocation -------------------------------------------------------------------------
+    def _cache(self, block: Allocation) -> None:
+        if block.state is State.PENDING_FREE and self._blocks.get(block.start) is block:
+            block.state = State.CACHED
+            self._used -= block.size
+            bisect.insort(self._cached, (block.size, block.start))
+
+    def _settle(self) -> None:
+        """Cache the blocks whose free the modelled clock has passed. Caller holds the lock."""
+        if self._due:
+            now = time.perf_counter()
+            while self._due and self._due[0][0] <= now:
+                self._cache(heapq.heappop(self._due)[2])
+
     def _take_cached(self, need: int, limit: int | None) -> Allocation | None:
         i = bisect.bisect_left(self._cached, (need, -1))
         if i == len(self._cached) or (limit is not None and self._cached[i][0] > limit):
@@ -72,6 +94,7 @@ class EmulatedPool(MemoryPool):
         with self._lock:
             if self._destroyed:
                 raise DeviceError("memory pool has been destroyed")
+            self._settle()
             block = self._take_cached(need, REUSE_SLACK * need) or self._reserve_new(need)
             block.state = State.LIVE
             self._used += block.size
@@ -93,13 +116,13 @@ class EmulatedPool(MemoryPool):
 
         def reclaim(ready: float) -> float:
             with self._lock:
-                if block.state is State.PENDING_FREE and self._blocks.get(block.start) is block:
-                    block.state = State.CACHED
-                    self._used -= block.size
-                    bisect.insort(self._cached, (block.size, block.start))
+                if ready > time.perf_counter():
+                    heapq.heappush(self._due, (ready, next(self._due_ids), block))
+                else:
+                    self._cache(block)
             return ready
 
-        s.enqueue(reclaim)
+        s.enqueue(reclaim, inline=True)
 
     # -- release ----------------------------------------------------------------------------
     def _release_block(self, block: Allocation) -> None:
@@ -123,6 +146,7 @@ class EmulatedPool(MemoryPool):
         if keep_bytes < 0:
             raise ValueError(f"negative keep_bytes: {keep_bytes}")
         with self._lock:
+            self._settle()
             self._trim_locked(keep_bytes)
 
     def set_release_threshold(self, nbytes: int) -> None:
@@ -132,6 +156,7 @@ class EmulatedPool(MemoryPool):
 
     def apply_release_threshold(self) -> None:
         with self._lock:
+            self._settle()
             if self._reserved > self.release_threshold and self._cached:
                 self._trim_locked(self.release_threshold)
 
@@ -141,11 +166,15 @@ class EmulatedPool(MemoryPool):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        with self._lock:
+            self._settle()
+            return self._used
 
     @property
     def cached_bytes(self) -> int:
-        return self._reserved - self._used
+        with self._lock:
+            self._settle()
+            return self._reserved - self._used
 
     def destroy(self) -> None:
         with self._lock:
@@ -155,4 +184,5 @@ class EmulatedPool(MemoryPool):
             for block in list(self._blocks.values()):
                 self._release_block(block)
             self._cached.clear()
+            self._due.clear()
         self._runtime.forget_pool(self)

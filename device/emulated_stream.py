@@ -13,6 +13,12 @@ when the stream reaches it.
 Errors (a failing kernel, a copy touching memory freed meanwhile) are recorded with the operation's
 sequence number and raised, once, by the next `synchronize` of the stream or of an event recorded on
 it after them. The stream keeps running.
+
+In timed mode (virtual time) nothing on a stream sleeps but copies: a kernel's end is placed at issue
+(`place_kernel`), events and pool frees take effect at their modelled time, and whoever waits sleeps
+until that time. An operation issued to an idle stream is resolved at once on the issuing thread
+(`inline`), so a run of kernels costs no thread hop; only work behind a copy in flight goes through
+the worker.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .base import DeviceError, Event, Stream
-from .copy_engine import CopyEngine, CopyJob
+from .copy_engine import CopyEngine, CopyJob, sleep_until
 
 if TYPE_CHECKING:
     from .emulated import EmulatedRuntime
@@ -37,15 +43,23 @@ _thread_ids = itertools.count()
 
 
 class Marker:
-    """What an event captured by one `record`: the stream position and, once reached, the time."""
+    """What an event captured by one `record`: the stream position and, once `resolved`, the modelled
+    time at which the work before it completes (in timed mode possibly still in the future)."""
 
-    __slots__ = ("stream", "seq", "time", "done")
+    __slots__ = ("stream", "seq", "time", "resolved")
 
     def __init__(self, stream: EmulatedStream) -> None:
         self.stream = stream
         self.seq = 0
         self.time = 0.0
-        self.done = threading.Event()
+        self.resolved = threading.Event()
+
+    def complete(self) -> bool:
+        return self.resolved.is_set() and time.perf_counter() >= self.time
+
+    def wait(self) -> None:
+        self.resolved.wait()
+        sleep_until(self.time)
 
 
 class _Op:
@@ -80,6 +94,7 @@ class EmulatedStream(Stream):
         self._cursor = 0.0  # modelled end of the last completed operation
         self._errors: list[tuple[int, BaseException]] = []
         self._destroyed = False
+        self._timed = runtime.timed
         self.thread = threading.Thread(
             target=self._loop,
             name=f"streambox-emu-{runtime.name_tag}-s{stream_id}-{next(_thread_ids)}",
@@ -101,8 +116,10 @@ class EmulatedStream(Stream):
         *,
         marker: Marker | None = None,
         on_idle: Callable[[float], None] | None = None,
+        inline: bool = False,
     ) -> int:
-        """Queue `fn(ready) -> end`; `on_idle(ready)` runs at once, here, if the stream is idle."""
+        """Queue `fn(ready) -> end`; `on_idle(ready)` runs at once, here, if the stream is idle. In
+        timed mode an `inline` operation on an idle stream runs here, at once (`fn` must not block)."""
         with self._cond:
             if self._destroyed:
                 raise DeviceError(f"stream {self.id} has been destroyed")
@@ -111,7 +128,16 @@ class EmulatedStream(Stream):
             op = _Op(self._issued, issued, fn)
             if marker is not None:
                 marker.seq = op.seq
-            if on_idle is not None and not self._queue and not self._busy:
+            idle = not self._queue and not self._busy
+            if inline and self._timed and idle:
+                try:
+                    self._cursor = max(self._cursor, fn(max(issued, self._cursor)))
+                except BaseException as exc:
+                    self._errors.append((op.seq, exc))
+                self._completed = op.seq
+                self._cond.notify_all()
+                return op.seq
+            if on_idle is not None and idle:
                 on_idle(max(issued, self._cursor))
             self._queue.append(op)
             self._cond.notify()
@@ -135,6 +161,12 @@ class EmulatedStream(Stream):
             return job.end
 
         return self.enqueue(run, on_idle=submit)
+
+    @property
+    def tail(self) -> float:
+        """Modelled end of the work completed or placed so far."""
+        with self._cond:
+            return self._cursor
 
     # -- worker -----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -176,6 +208,7 @@ class EmulatedStream(Stream):
         with self._cond:
             target = self._issued
         self._wait_for(target)
+        sleep_until(self.tail)  # timed mode: the placed work ends in the future
         errors = self.take_errors(target)
         self._runtime.sync_point()
         _raise_errors(errors)
@@ -184,18 +217,18 @@ class EmulatedStream(Stream):
         if not isinstance(event, EmulatedEvent):
             raise DeviceError(f"an emulated stream cannot wait on {type(event).__name__}")
         marker = event.marker  # the work the event captured now; a later record does not matter
-        if marker is None or marker.done.is_set():
+        if marker is None or marker.complete():
             return
 
         def gate(ready: float) -> float:
-            marker.done.wait()
+            marker.resolved.wait()
             return max(ready, marker.time)
 
-        self.enqueue(gate)
+        self.enqueue(gate, inline=marker.resolved.is_set())
 
     def query(self) -> bool:
         with self._cond:
-            return self._completed >= self._issued
+            return self._completed >= self._issued and time.perf_counter() >= self._cursor
 
     def destroy(self) -> None:
         """Non-blocking, as cuStreamDestroy: queued work still runs, then the worker ends."""
@@ -231,21 +264,21 @@ class EmulatedEvent(Event):
 
         def reach(ready: float) -> float:
             marker.time = ready
-            marker.done.set()
+            marker.resolved.set()
             return ready
 
-        stream.enqueue(reach, marker=marker)
+        stream.enqueue(reach, marker=marker, inline=True)
         self.marker = marker
 
     def query(self) -> bool:
         marker = self.marker
-        return marker is None or marker.done.is_set()
+        return marker is None or marker.complete()
 
     def synchronize(self) -> None:
         marker = self.marker
         if marker is None:
             return
-        marker.done.wait()
+        marker.wait()
         errors = marker.stream.take_errors(marker.seq)
         self._runtime.sync_point()
         _raise_errors(errors)
@@ -258,6 +291,6 @@ class EmulatedEvent(Event):
         a, b = self.marker, end.marker
         if a is None or b is None:
             raise DeviceError("elapsed_ms needs two recorded events")
-        if not (a.done.is_set() and b.done.is_set()):
+        if not (a.complete() and b.complete()):
             raise DeviceError("elapsed_ms: an event has not completed yet (not ready)")
         return (b.time - a.time) * 1e3

@@ -1,11 +1,20 @@
-"""Cross-process accounting of one emulated GPU: who holds how much memory and how many streams.
+"""Cross-process state of one emulated GPU: memory and streams per runtime, its link and its SMs.
 
-A real GPU's memory is shared by every process of the machine. The emulated one keeps a small ledger
-file per device under a state directory: a header and fixed slots, one per runtime (pid, process start
-time, runtime id, used bytes, streams), in an mmap'ed file guarded by `fcntl.flock` (between processes)
-and a lock (between threads). Every capacity check sums all live slots under the lock. A slot whose
-process has died (exit, `os._exit`, SIGKILL) is reclaimed by whoever next takes the lock; a slot is
-released on `close` and, for runtimes still open, at interpreter exit.
+A real GPU is shared by every process of the machine. The emulated one keeps a small ledger file per
+device under a state directory, mmap'ed and guarded by `fcntl.flock` (between processes) and a lock
+(between threads):
+
+- fixed slots, one per runtime (pid, process start time, runtime id, used bytes, streams). Every
+  capacity check sums all live slots under the lock. A slot whose process has died (exit, `os._exit`,
+  SIGKILL) is reclaimed by whoever next takes the lock; a slot is released on `close` and, for
+  runtimes still open, at interpreter exit;
+- the PCIe link: per direction (host-to-device, device-to-host) the copies in flight on it, which
+  share its bandwidth by processor sharing in modelled time (`link_share.py`), whichever runtime of
+  whichever process issued them;
+- the compute units: busy intervals of each context's kernels (timed mode), so that kernels of other
+  contexts time-slice with them (or, under MPS, run beside them); see `gpu_schedule.py`.
+
+Times are `time.perf_counter()` seconds: CLOCK_MONOTONIC, the same in every process of the machine.
 """
 
 from __future__ import annotations
@@ -23,14 +32,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .base import DeviceError, OutOfDeviceMemory
+from .link_share import Flow, advance, finish_times
 
 _MAGIC = b"SBXLEDG1"
-_VERSION = 2
+_VERSION = 3
 _HEADER = struct.Struct("<8sIIQ40x")  # magic, version, slot count, total memory -> 64 bytes
 _HIGH_WATER = struct.Struct("<Q")  # at offset 24: slots ever used (scans stop there)
 _HIGH_WATER_OFFSET = 24
+_BUSY_HIGH_OFFSET = 48  # a Q: busy-interval records ever used
 _SLOT = struct.Struct("<qqqqqq")  # pid, start time, runtime id, used bytes, streams, reserved -> 48 bytes
+_BUSY = struct.Struct("<ddqq")  # start, end, slot + 1, MPS client (1) or not (0) -> 32 bytes
+_FLOW_HEAD = struct.Struct("<dq")  # per link direction: time of the state, last flow id -> 16 bytes
+_FLOW = struct.Struct("<qdqd")  # flow id (0: free), link seconds left, owner pid, end (0: active)
 DEFAULT_SLOTS = 512
+BUSY_RECORDS = 1024
+FLOWS = 128  # copies in flight per link direction, all processes together
+LINK_DIRECTIONS = ("h2d", "d2h")
+_FLOW_REGION = _FLOW_HEAD.size + FLOWS * _FLOW.size
 
 
 def default_state_dir() -> Path:
@@ -44,7 +62,7 @@ def default_state_dir() -> Path:
 
 def ledger_path(state_dir: Path, index: int, name: str, total_memory: int) -> Path:
     """One file per emulated GPU: same index, same device name and same capacity = the same GPU."""
-    digest = hashlib.sha1(f"{name}|{total_memory}".encode()).hexdigest()[:12]
+    digest = hashlib.sha1(f"{name}|{total_memory}|v{_VERSION}".encode()).hexdigest()[:12]
     return Path(state_dir) / f"emulated-gpu{index}-{digest}.ledger"
 
 
@@ -107,9 +125,10 @@ class Ledger:
         self._lock = threading.RLock()
         self._depth = 0  # nesting of _locked in the thread holding _lock
         self._owned: dict[int, int] = {}  # slot -> runtime id, slots this process holds
+        self._last_busy: dict[int, int] = {}  # slot -> index of its latest busy record (a hint)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        size = _HEADER.size + slots * _SLOT.size
+        size = _HEADER.size + slots * _SLOT.size + BUSY_RECORDS * _BUSY.size + 2 * _FLOW_REGION
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             current = os.fstat(self._fd).st_size
@@ -125,7 +144,7 @@ class Ledger:
                         "another state dir"
                     )
                 self.slots = nslots
-                size = _HEADER.size + nslots * _SLOT.size
+                size = _HEADER.size + nslots * _SLOT.size + BUSY_RECORDS * _BUSY.size + 2 * _FLOW_REGION
             self._map = mmap.mmap(self._fd, size)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -258,12 +277,152 @@ class Ledger:
             if self._read(slot)[2] == runtime_id:
                 self._clear(slot)
 
+    # -- the link and the compute units ------------------------------------------------------
+    def _flow_base(self, direction: str) -> int:
+        return self._busy_base() + BUSY_RECORDS * _BUSY.size + LINK_DIRECTIONS.index(direction) * _FLOW_REGION
+
+    def _load_flows(self, direction: str) -> tuple[float, int, list[Flow], dict[int, tuple[int, float]]]:
+        """(state time, last flow id, active flows, finished flows: id -> (owner, end))."""
+        base = self._flow_base(direction)
+        since, last_id = _FLOW_HEAD.unpack_from(self._map, base)
+        active, finished = [], {}
+        rows = _FLOW.iter_unpack(self._map[base + _FLOW_HEAD.size : base + _FLOW_REGION])
+        for fid, left, owner, end in rows:
+            if fid == 0 or not process_alive(owner):
+                continue  # free, or its process died waiting: it moves nothing any more
+            if end:
+                finished[fid] = (owner, end)
+            else:
+                active.append(Flow(fid, left, owner))
+        return since, last_id, active, finished
+
+    def _store_flows(
+        self,
+        direction: str,
+        since: float,
+        last_id: int,
+        active: list[Flow],
+        finished: dict[int, tuple[int, float]],
+    ) -> None:
+        rows = [(f.flow_id, f.left, f.owner, 0.0) for f in active]
+        rows += [(fid, 0.0, owner, end) for fid, (owner, end) in finished.items()]
+        if len(rows) > FLOWS:
+            raise DeviceError(f"ledger {self.path}: more than {FLOWS} copies in flight on one link direction")
+        base = self._flow_base(direction)
+        _FLOW_HEAD.pack_into(self._map, base, since, last_id)
+        for i, row in enumerate(rows):
+            _FLOW.pack_into(self._map, base + _FLOW_HEAD.size + i * _FLOW.size, *row)
+        self._map[base + _FLOW_HEAD.size + len(rows) * _FLOW.size : base + _FLOW_REGION] = bytes(
+            (FLOWS - len(rows)) * _FLOW.size
+        )
+
+    def link_join(self, direction: str, ready: float, cost: float) -> tuple[int, float, float]:
+        """A copy of `cost` link seconds enters the link in `direction` at `ready` (or when the
+        link's state is, if later). Returns (flow id, start, end if no other copy arrives)."""
+        with self._locked():
+            since, last_id, active, finished = self._load_flows(direction)
+            start = max(ready, since)
+            owners = {f.flow_id: f.owner for f in active}
+            active, ends = advance(active, since, start)
+            finished.update((fid, (owners[fid], end)) for fid, end in ends.items())
+            last_id += 1
+            active.append(Flow(last_id, cost, os.getpid()))
+            self._store_flows(direction, start, last_id, active, finished)
+            return last_id, start, finish_times(active, start)[last_id]
+
+    def link_poll(self, direction: str, flow_id: int, now: float) -> tuple[bool, float]:
+        """(True, end) once the flow has ended by `now` (its record is then dropped), else (False,
+        the end expected so far)."""
+        with self._locked():
+            since, last_id, active, finished = self._load_flows(direction)
+            if flow_id in finished:
+                _, end = finished.pop(flow_id)
+                self._store_flows(direction, since, last_id, active, finished)
+                return True, end
+            expected = finish_times(active, since).get(flow_id)
+            if expected is None:
+                raise DeviceError(f"ledger {self.path}: copy {flow_id} is not on the {direction} link")
+            if expected > now:
+                return False, expected
+            owners = {f.flow_id: f.owner for f in active}
+            active, ends = advance(active, since, expected)
+            finished.update((fid, (owners[fid], end)) for fid, end in ends.items() if fid != flow_id)
+            self._store_flows(direction, expected, last_id, active, finished)
+            return True, ends[flow_id]
+
+    def link(self, direction: str) -> LinkDirection:
+        """One direction of this GPU's PCIe link, for a copy engine."""
+        if direction not in LINK_DIRECTIONS:
+            raise ValueError(f"link direction {direction!r} is not one of {LINK_DIRECTIONS}")
+        return LinkDirection(self, direction)
+
+    def _busy_base(self) -> int:
+        return _HEADER.size + self.slots * _SLOT.size
+
+    def _busy_rows(self) -> list[tuple[float, float, int, int]]:
+        high = min(BUSY_RECORDS, _HIGH_WATER.unpack_from(self._map, _BUSY_HIGH_OFFSET)[0])
+        base = self._busy_base()
+        region = memoryview(self._map)[base : base + high * _BUSY.size]
+        try:
+            return list(_BUSY.iter_unpack(region))
+        finally:
+            region.release()
+
+    def blocking_intervals(self, slot: int, mps: bool, after: float) -> list[tuple[float, float]]:
+        """Busy intervals of other contexts ending after `after` that a kernel of `slot` must not
+        overlap: every other context's, or, for an MPS client, those of contexts outside MPS."""
+        with self._locked():
+            return [
+                (start, end)
+                for start, end, owner, other_mps in self._busy_rows()
+                if end > after and owner != slot + 1 and not (mps and other_mps)
+            ]
+
+    def add_busy(self, slot: int, mps: bool, start: float, end: float, now: float) -> None:
+        """Record that `slot`'s context holds compute units over [start, end). Extends its latest
+        record when the two touch (back-to-back kernels stay one record); reuses expired records."""
+        base = self._busy_base()
+        with self._locked():
+            hint = self._last_busy.get(slot)
+            if hint is not None:
+                s0, e0, owner, _ = _BUSY.unpack_from(self._map, base + hint * _BUSY.size)
+                if owner == slot + 1 and s0 <= start <= e0 + 1e-9:
+                    _BUSY.pack_into(self._map, base + hint * _BUSY.size, s0, max(e0, end), owner, int(mps))
+                    return
+            rows = self._busy_rows()
+            index = next((i for i, row in enumerate(rows) if row[1] <= now), len(rows))
+            if index == BUSY_RECORDS:  # all in use: drop the one that ends first
+                index = min(range(len(rows)), key=lambda i: rows[i][1])
+            if index == len(rows):
+                _HIGH_WATER.pack_into(self._map, _BUSY_HIGH_OFFSET, index + 1)
+            _BUSY.pack_into(self._map, base + index * _BUSY.size, start, end, slot + 1, int(mps))
+            self._last_busy[slot] = index
+
+    def transaction(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the device lock across several calls (`blocking_intervals` then `add_busy`: one
+        atomic placement). Re-entrant."""
+        return self._locked()
+
     def _release_all_owned(self) -> None:
         with self._locked():
             for slot, rid in list(self._owned.items()):
                 if self._read(slot)[2] == rid:
                     self._clear(slot)
             self._owned.clear()
+
+
+@dataclass(frozen=True)
+class LinkDirection:
+    """`join` and `poll` a copy on one direction of a GPU's link (see `Ledger.link_join`)."""
+
+    ledger: Ledger
+    direction: str
+
+    def join(self, ready: float, cost: float) -> tuple[int, float, float]:
+        return self.ledger.link_join(self.direction, ready, cost)
+
+    def poll(self, flow_id: int, now: float) -> tuple[bool, float]:
+        return self.ledger.link_poll(self.direction, flow_id, now)
 
 
 # -- process lifetime ---------------------------------------------------------------------------

@@ -1,7 +1,15 @@
-"""Device presets for the emulated backend: memory, compute units and the link model.
+"""Device presets for the emulated backend: memory, compute units, the link and the runtime's costs.
 
 Numbers follow the paper's testbed (V100-16GB on PCIe 3.0: ~12 GB/s peak, ~4 GB/s with 16 KB blocks,
-pinned allocation ~200 ms per 200 MB) and public H100 SXM figures. Every field can be overridden.
+pinned allocation ~200 ms per 200 MB, Sec. 7.1) and public H100 SXM figures. Every field can be overridden
+(`with_overrides`); `SOURCES` names where each number comes from (docs/device.md prints them).
+
+A runtime costs two things, kept apart: the CUDA context (every runtime: `context_memory`,
+`context_create_s`) and the ML framework's runtime on top of it (PyTorch with cuDNN/cuBLAS; only for
+runtimes opened with `framework=True`, e.g. one per monolithic function instance:
+`framework_memory`, `framework_init_s`). The paper measured the two together: a PyTorch function's
+runtime takes up to ~1.4 GB of its 1.5 GB (ResNet, Fig. 2 left, Sec. 2) and its initialisation up to
+~5 s (Fig. 3 left, Sec. 2); the framework's share is that total less the context's.
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ class DeviceSpec:
     link: LinkModel
     context_create_s: float  # time to create a context (a runtime)
     context_memory: int  # device memory a context takes for itself
+    framework_memory: int = 0  # device memory of the ML framework's runtime (framework runtimes only)
+    framework_init_s: float = 0.0  # its initialisation, `import torch` included (framework runtimes only)
+    fallback_kernel_s: float = 40e-6  # timed mode: a kernel launched without `duration_s`
 
     def with_overrides(self, **changes: object) -> DeviceSpec:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -63,6 +74,8 @@ V100_16GB = DeviceSpec(
     ),
     context_create_s=0.5,
     context_memory=300 * MiB,
+    framework_memory=1400 * MiB - 300 * MiB,
+    framework_init_s=5.0 - 0.5,
 )
 
 H100_80GB = DeviceSpec(
@@ -80,7 +93,38 @@ H100_80GB = DeviceSpec(
     ),
     context_create_s=0.5,
     context_memory=500 * MiB,
+    framework_memory=1400 * MiB - 300 * MiB,
+    framework_init_s=5.0 - 0.5,
 )
+
+_PAPER_RUNTIME = (
+    "StreamBox paper (ATC'24) Sec. 2 and Fig. 2 left: a PyTorch ResNet function's GPU runtime (context "
+    "and framework libraries) takes up to ~1.4 GB (95% of 1.5 GB); Fig. 3 left: its initialisation "
+    "takes up to ~5 s"
+)
+
+#: Where every preset number comes from (field -> source); `modelled` marks an assumption of ours.
+SOURCES: dict[str, str] = {
+    "total_memory": "the products' specifications (V100-PCIE-16GB; H100 80GB)",
+    "compute_units": "SM count of the products (V100: 80; H100 SXM: 132)",
+    "link.pinned_bandwidth": "paper Sec. 7.1 (V100 on PCIe 3.0, ~12 GB/s peak); H100: PCIe 5.0 x16, ~50 GB/s",
+    "link.latency_s": "V100: set so that 16 KB copies reach ~4 GB/s, as the paper measured (Sec. 7.1); "
+    "H100: modelled (2 us)",
+    "link.pageable_bandwidth": "modelled: about half the pinned bandwidth (V100; 40% on H100), staging "
+    "through a bounce buffer",
+    "link.pinned_alloc_s_per_byte": "paper Sec. 7.1 (pinned allocation ~200 ms per 200 MB, V100 host); "
+    "H100: modelled at half that",
+    "link.peer_bandwidth": "NVLink 2 (V100, 150 GB/s) and NVLink 4 (H100, 450 GB/s) specifications",
+    "link.peer_latency_s": "modelled: a few microseconds per peer copy call",
+    "link.device_bandwidth": "HBM2 / HBM3 bandwidth of the products (V100 900 GB/s; H100 ~3 TB/s)",
+    "context_memory": "modelled: a bare CUDA context, ~300 MiB on V100 (CUDA 11, no lazy loading); "
+    "the paper gives the context and framework only together",
+    "context_create_s": "modelled: ~0.5 s for a bare context (the rest of the paper's 5 s is the framework)",
+    "framework_memory": _PAPER_RUNTIME + "; the framework's share is 1.4 GB less context_memory (V100)",
+    "framework_init_s": _PAPER_RUNTIME + "; the framework's share is 5 s less context_create_s",
+    "fallback_kernel_s": "modelled: ResNet-50 on a V100 (~7 ms) over its ~170 kernels; used only when a "
+    "launch gives no duration_s",
+}
 
 PRESETS: dict[str, DeviceSpec] = {"v100-16gb": V100_16GB, "h100-80gb": H100_80GB}
 

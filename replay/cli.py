@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from streambox.device.modes import DEVICE_MODES, describe_device_mode, env_device_mode
+
 from .shaping import MAPPINGS, PATTERNS, SELECTIONS, SPACINGS
 from .target import PLANNED_SYSTEMS, known_systems
 
@@ -66,6 +68,11 @@ def add_replay_parser(commands: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--spacing", choices=SPACINGS, default="poisson", help="arrivals inside a minute")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ms", type=float, default=200.0, help="latency SLO (default 200 ms, the paper's)")
+    p.add_argument(
+        "--device-mode", choices=DEVICE_MODES,
+        help="emulated device: timed (default: GPU time, phantom data) or functional (kernels run on the "
+        "CPU) [STREAMBOX_DEVICE_MODE]",
+    )
     p.add_argument("--max-requests", type=int, help="send at most this many requests")
     p.add_argument("--max-duration", type=float, help="send no request after this many seconds")
     p.add_argument("--request-timeout", type=float, help="a request without outcome after this is a timeout")
@@ -104,6 +111,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     systems = _csv([args.system])
     explicit = _pairs(args.map, "--map")
+    device_mode = args.device_mode or env_device_mode(default="timed")  # a replay is about time
+    print(describe_device_mode(device_mode), flush=True)
     options = dict(
         workflow=args.workflow,
         minutes=args.minutes,
@@ -119,6 +128,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         spacing=args.spacing,
         seed=args.seed,
         slo_ms=args.slo_ms,
+        device_mode=device_mode,
         max_requests=args.max_requests,
         max_duration_s=args.max_duration,
         request_timeout_s=args.request_timeout,

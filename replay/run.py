@@ -20,6 +20,8 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
+from streambox.device.modes import device_mode_env, env_device_mode
+
 from .driver import drive
 from .metrics import summarize, write_json, write_requests, write_samples
 from .shaping import (
@@ -62,7 +64,8 @@ class ReplayConfig:
     explicit_mapping: Mapping[str, str] = field(default_factory=dict)
     spacing: str = "poisson"  # poisson | even | trace (2021 timestamps)
     seed: int = 0
-    slo_ms: float = 200.0  # the paper's SLO for Traffic
+    slo_ms: float = 200.0  # the paper's SLO for Traffic (meaningful in timed mode: GPU-like times)
+    device_mode: str | None = None  # functional | timed; None: $STREAMBOX_DEVICE_MODE, else functional
     max_requests: int | None = None
     max_duration_s: float | None = None
     request_timeout_s: float | None = None
@@ -241,7 +244,15 @@ def execute(config: ReplayConfig, target: Target | None = None) -> RunResult:
 
 
 async def execute_async(config: ReplayConfig, target: Target | None = None) -> RunResult:
-    """`execute` for callers that already run an event loop."""
+    """`execute` for callers that already run an event loop. The run's device mode is exported to
+    the environment while it runs, so that every process the system starts follows it."""
+    config = replace(config, device_mode=config.device_mode or env_device_mode())
+    assert config.device_mode is not None
+    with device_mode_env(config.device_mode):
+        return await _execute(config, target)
+
+
+async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
     workload = build_workload(config)
     if target is None:
         request = SystemRequest(
@@ -257,6 +268,7 @@ async def execute_async(config: ReplayConfig, target: Target | None = None) -> R
     described = {
         "config": asdict(config),
         "label": config.label,
+        "device_mode": config.device_mode,
         "workload": _describe_workload(config, workload),
         "system_config": target.describe(),
         "versions": _versions(),
@@ -292,7 +304,7 @@ def run_replay(
     """Replay `minutes` of `trace` (None: the shipped sample) at `scale` times its rate against `system`
     on `workflow` (a name, "a,b", or a list), writing the run directory `out`. Other keyword options are
     ReplayConfig's fields (start_minute, minute_seconds, functions, select, patterns, include, mapping,
-    explicit_mapping, spacing, seed, slo_ms, max_requests, max_duration_s, request_timeout_s,
+    explicit_mapping, spacing, seed, slo_ms, device_mode, max_requests, max_duration_s, request_timeout_s,
     drain_timeout_s, sample_interval_s, system_options, overwrite, progress)."""
     workflows = tuple(w for w in (workflow.split(",") if isinstance(workflow, str) else workflow) if w)
     for name in ("patterns", "include"):

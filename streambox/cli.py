@@ -9,6 +9,7 @@ from pathlib import Path
 
 from streambox.config import Config
 from streambox.device import DeviceError
+from streambox.device.modes import DEVICE_MODES, describe_device_mode, device_mode_env
 
 
 def _add_device_options(parser: argparse.ArgumentParser) -> None:
@@ -18,11 +19,15 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
         help="emulated device preset: v100-16gb (default), h100-80gb [STREAMBOX_DEVICE_PRESET]",
     )
     parser.add_argument("--gpus", type=int, help="number of emulated GPUs (default 1) [STREAMBOX_GPUS]")
+    parser.add_argument(
+        "--device-mode", choices=DEVICE_MODES,
+        help="emulated device: functional (default) or timed (GPU time) [STREAMBOX_DEVICE_MODE]",
+    )
 
 
 def _config(args: argparse.Namespace) -> Config:
     return Config.from_env().with_overrides(
-        backend=args.backend, device_preset=args.device_preset, gpus=args.gpus
+        backend=args.backend, device_preset=args.device_preset, gpus=args.gpus, device_mode=args.device_mode
     )
 
 
@@ -102,16 +107,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         factory = MonolithicInvoker.factory()
     else:
         factory = ProxyInvoker.factory(proxy_options=options)
-    serve(
-        args.paths,
-        host=args.host,
-        port=args.port,
-        system=args.system,
-        config=_config(args),
-        invoker_factory=factory,
-        on_ready=lambda url: print(f"serving on {url} (Ctrl-C stops)", flush=True),
-        small=args.small,
-    )
+    config = _config(args)
+    print(describe_device_mode(config.device_mode), flush=True)
+    with device_mode_env(config.device_mode):  # the proxies and instances it starts follow it
+        serve(
+            args.paths,
+            host=args.host,
+            port=args.port,
+            system=args.system,
+            config=config,
+            invoker_factory=factory,
+            on_ready=lambda url: print(f"serving on {url} (Ctrl-C stops)", flush=True),
+            small=args.small,
+        )
     return 0
 
 

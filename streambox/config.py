@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from streambox.device import BACKENDS, PRESETS, Backend, DeviceSpec, get_backend, preset
+from streambox.device.modes import check_device_mode, env_device_mode
 
 
 def default_model_pool() -> Path:
@@ -25,6 +26,12 @@ class Config:
     gpus: int = 1
     model_pool: Path = field(default_factory=default_model_pool)
     state_dir: Path | None = None  # emulated devices' shared ledger; None = backend default
+    # functional | timed (emulated device; see device/modes.py). From $STREAMBOX_DEVICE_MODE even
+    # when a Config is built field by field, so that child processes follow their parent's run.
+    device_mode: str = field(default_factory=env_device_mode)
+    # Every runtime opened through this config also pays the ML framework's runtime (memory and
+    # initialisation, DeviceSpec.framework_*): the runtime of a monolithic PyTorch function.
+    framework_runtime: bool = False
 
     @classmethod
     def from_env(cls) -> Config:
@@ -36,6 +43,7 @@ class Config:
             gpus=int(env.get("STREAMBOX_GPUS", cls.gpus)),
             model_pool=default_model_pool(),
             state_dir=Path(state) if state else None,
+            device_mode=env_device_mode(),
         ).validated()
 
     def with_overrides(self, **changes: Any) -> Config:
@@ -50,6 +58,7 @@ class Config:
             )
         if self.gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {self.gpus}")
+        check_device_mode(self.device_mode, "config field device_mode")
         return self
 
     def device_spec(self) -> DeviceSpec:
@@ -57,7 +66,12 @@ class Config:
 
     def open_backend(self) -> Backend:
         if self.backend == "emulated":
-            options: dict[str, Any] = {"spec": self.device_spec(), "count": self.gpus}
+            options: dict[str, Any] = {
+                "spec": self.device_spec(),
+                "count": self.gpus,
+                "mode": self.device_mode,
+                "framework": self.framework_runtime,
+            }
             if self.state_dir is not None:
                 options["state_dir"] = self.state_dir
             return get_backend("emulated", **options)

@@ -36,6 +36,7 @@ import numpy as np
 from streambox.api_proxy.errors import ProxyError
 from streambox.api_proxy.proxy_config import SYSTEMS
 from streambox.config import Config
+from streambox.device.modes import DEVICE_MODES, describe_device_mode, device_mode_env, env_device_mode
 
 from .commands import add_proxy_options, load_event, load_specs, proxy_options_from
 from .engine import Engine
@@ -613,6 +614,10 @@ def add_burst_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument("--backend", help="device backend: emulated (default) or cuda [STREAMBOX_BACKEND]")
     p.add_argument("--device-preset", help="emulated device preset [STREAMBOX_DEVICE_PRESET]")
     p.add_argument("--gpus", type=int, help="number of emulated GPUs [STREAMBOX_GPUS]")
+    p.add_argument(
+        "--device-mode", choices=DEVICE_MODES,
+        help="emulated device: timed (default: GPU time, phantom data) or functional [STREAMBOX_DEVICE_MODE]",
+    )
     p.set_defaults(handler=cmd_burst)
     return p
 
@@ -622,33 +627,36 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_burst(args: argparse.Namespace) -> int:
+    device_mode = args.device_mode or env_device_mode(default="timed")  # a burst measures time
     config = Config.from_env().with_overrides(
-        backend=args.backend, device_preset=args.device_preset, gpus=args.gpus
+        backend=args.backend, device_preset=args.device_preset, gpus=args.gpus, device_mode=device_mode
     )
+    print(describe_device_mode(device_mode), flush=True)
     try:
-        report = burst(
-            args.path,
-            requests=args.requests,
-            concurrency=args.concurrency,
-            warmup=args.warmup,
-            input_path=args.input,
-            params=args.params,
-            full_size=args.full_size,
-            via=args.via,
-            system=args.system,
-            config=config,
-            proxy_options={
-                **proxy_options_from(args),
-                **({"completion": args.completion} if args.completion else {}),
-            },
-        )
+        with device_mode_env(device_mode):  # the proxies it starts follow the run
+            report = burst(
+                args.path,
+                requests=args.requests,
+                concurrency=args.concurrency,
+                warmup=args.warmup,
+                input_path=args.input,
+                params=args.params,
+                full_size=args.full_size,
+                via=args.via,
+                system=args.system,
+                config=config,
+                proxy_options={
+                    **proxy_options_from(args),
+                    **({"completion": args.completion} if args.completion else {}),
+                },
+            )
     except ProxyError as error:  # the proxy could not start: one line (its own log is above)
         print(f"streambox burst: error: the API proxy failed: {error}", file=sys.stderr)
         return 2
     print_report(report)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report.to_json(), indent=1))
+        args.json.write_text(json.dumps({**report.to_json(), "device_mode": device_mode}, indent=1))
         print(f"wrote {args.json}")
     return 0 if report.failed == 0 else 1
 

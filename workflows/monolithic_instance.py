@@ -269,6 +269,7 @@ class Instance:
             gpus=int(c["gpus"]),
             model_pool=Path(c["model_pool"]),
             state_dir=Path(c["state_dir"]) if c.get("state_dir") else None,
+            framework_runtime=True,  # a PyTorch function's own runtime: context + framework (paper Sec. 2)
         ).validated()
         base_dir = Path(args["base_dir"]) if args.get("base_dir") else None
         spec = WorkflowSpec.model_validate_json(json.dumps(args["spec"])).with_base_dir(base_dir)

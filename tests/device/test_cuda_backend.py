@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -974,3 +975,18 @@ def test_peer_copy(backend: cuda_backend.CudaBackend) -> None:
         rt1.copy_dtoh_async(out, dst, n, s1)
         s1.synchronize()
         assert torch.equal(out, pattern)
+
+
+def test_an_mps_share_is_set_before_the_first_context_and_fixed_after(monkeypatch) -> None:
+    env = cuda_backend.MPS_PERCENT_ENV
+    monkeypatch.delenv(env, raising=False)
+    cuda_backend._require_mps_share(40, first_context=True)
+    assert os.environ[env] == "40"  # read by the driver when the context is created
+    cuda_backend._require_mps_share(40, first_context=False)  # the same share: fine
+    with pytest.raises(DeviceError, match="per process"):
+        cuda_backend._require_mps_share(60, first_context=False)
+    monkeypatch.delenv(env)
+    with pytest.raises(DeviceError, match="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60"):
+        cuda_backend._require_mps_share(60, first_context=False)  # too late for this process
+    with pytest.raises(ValueError, match="1 to 100"):
+        cuda_backend._require_mps_share(0, first_context=True)

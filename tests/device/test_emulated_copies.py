@@ -10,6 +10,7 @@ import torch
 
 from streambox.device.base import DeviceError
 from streambox.device.copy_engine import LinkClock
+from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import MiB
 
 from .conftest import hold
@@ -46,45 +47,66 @@ def test_large_copy_first_delays_another_streams_small_copy(rt, spec):
     assert first.end - first.start == pytest.approx(spec.link.copy_seconds(32 * MiB), abs=1e-9)
 
 
-def test_directions_and_runtimes_have_separate_engines(backend, spec):
+def test_directions_are_separate_and_runtimes_share_the_gpus_link(tmp_path, spec):
+    spec = spec.with_overrides(total_memory=256 * MiB)
+    backend = EmulatedBackend(spec=spec, state_dir=tmp_path / "big")
+    n = 48 * MiB
     r = backend.open_runtime(0)
     other = backend.open_runtime(0)
     s1, s2, s3, held = r.create_stream(), r.create_stream(), other.create_stream(), r.create_stream()
-    host = r.host_alloc(8 * MiB)
-    a, b = r.mem_alloc(8 * MiB), r.mem_alloc(8 * MiB)
-    c = other.mem_alloc(8 * MiB)
+    host = r.host_alloc(n, pinned=False)
+    a, b = r.mem_alloc(n), r.mem_alloc(n)
+    c = other.mem_alloc(n)
     release, gate = threading.Event(), r.create_event()
     r.launch(held, lambda: release.wait(10), name="gate")
     gate.record(held)
     for s in (s1, s2, s3):  # all three copies become ready at the same modelled instant
         s.wait_event(gate)
-    r.copy_htod_async(a, host, 8 * MiB, s1)
-    r.copy_dtoh_async(host, b, 8 * MiB, s2)
-    other.copy_htod_async(c, host, 8 * MiB, s3)
+    r.copy_htod_async(a, host, n, s1)
+    r.copy_dtoh_async(host, b, n, s2)
+    other.copy_htod_async(c, host, n, s3)
     release.set()
     for s in (s1, s2, s3):
         s.synchronize()
     (h2d,), (d2h,), (h2d_other,) = _copies(r, "h2d"), _copies(r, "d2h"), _copies(other, "h2d")
-    # none queued behind another: each started when the gate opened
-    assert h2d.start == d2h.start == h2d_other.start
-    assert h2d.end == d2h.end == h2d_other.end
+    alone = spec.link.copy_seconds(n, pinned=False)
+    # the other direction has a link of its own (PCIe is full duplex): the download ran alone
+    assert d2h.end - d2h.start == pytest.approx(alone, rel=1e-6)
+    # the two uploads of two runtimes shared the GPU's one link: each got half of it while both were
+    # on it (processor sharing in modelled time). Both were ready at the gate's time; an engine
+    # thread the host ran late enters the link `skew` later (normally ~0), and then both take
+    # 2 * alone - skew (first alone for `skew`, then half each, then the last one alone for `skew`)
+    skew = abs(h2d.start - h2d_other.start)
+    assert skew < alone, "the host ran an engine thread later than the whole copy"
+    for rec in (h2d, h2d_other):
+        assert rec.end - rec.start == pytest.approx(2 * alone - skew, rel=1e-6)
+    r.close()
+    other.close()
+    backend.close()
+    n = 8 * MiB
+    r = backend.open_runtime(0)
+    s1, held, host, a = r.create_stream(), r.create_stream(), r.host_alloc(8 * MiB), r.mem_alloc(8 * MiB)
+    release = threading.Event()
+    r.launch(held, lambda: release.wait(10), name="gate")
+    gate = r.create_event()
+    gate.record(held)
     # while two copies in the same direction on one runtime share its engine
     s4 = r.create_stream()
+    release.set()
     for s in (s1, s4):
-        s.wait_event(gate)  # already complete: no-op
+        s.wait_event(gate)  # complete once `held` has run: no-op
     gate2 = r.create_event()
     r.launch(held, lambda: release.wait(10), name="gate2")
     gate2.record(held)
     s1.wait_event(gate2)
     s4.wait_event(gate2)
-    r.copy_htod_async(a, host, 8 * MiB, s1)
-    r.copy_htod_async(a, host, 8 * MiB, s4)
+    r.copy_htod_async(a, host, n, s1)
+    r.copy_htod_async(a, host, n, s4)
     s1.synchronize()
     s4.synchronize()
-    x, y = sorted(_copies(r, "h2d")[1:], key=lambda rec: rec.start)
+    x, y = sorted(_copies(r, "h2d"), key=lambda rec: rec.start)
     assert y.start == x.end
     r.close()
-    other.close()
 
 
 def test_pinned_versus_pageable_cost(rt, spec):

@@ -1,0 +1,85 @@
+"""Where a kernel goes on a shared GPU in timed mode: a pure placement policy (no threads, no clocks).
+
+The GPU's compute units are one pool. A context's kernels share its units (all of them, or its MPS
+share); kernels of *other* contexts either block the interval entirely (time-slicing: contexts without
+MPS never overlap another context) or do not matter (two MPS clients run side by side, each within
+its own share). `place_kernel` returns the earliest start at or after `ready` where the kernel fits,
+how many units it gets there, and its end:
+
+- it asks for `want` units (`min(blocks, cu_cap, units of the context)`); its duration is given at
+  `full` units (`min(blocks, compute units of the GPU)`), so with `u` units it takes
+  `duration * full / u` (fewer units: more waves of thread blocks);
+- at a start time it takes what is free of its context's units, at least one; when nothing is free
+  it waits for the next own kernel to end;
+- it never overlaps a blocked interval (a kernel is not preempted): when one starts before the kernel
+  would end, the kernel starts after that interval instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: (start, end, units) of one kernel already placed in this context.
+Placed = tuple[float, float, int]
+#: (start, end) when another context holds the GPU.
+Blocked = tuple[float, float]
+
+_MAX_STEPS = 10_000
+
+
+def units_in_use(own: Sequence[Placed], at: float) -> int:
+    """Units this context's kernels hold at time `at`."""
+    return sum(u for s, e, u in own if s <= at < e)
+
+
+def _min_free(own: Sequence[Placed], start: float, end: float, capacity: int) -> int:
+    """The fewest units free at any instant of [start, end): checked at `start` and at each own start."""
+    points = [start] + [s for s, _, _ in own if start < s < end]
+    return min(capacity - units_in_use(own, p) for p in points)
+
+
+def place_kernel(
+    ready: float,
+    duration: float,
+    full: int,
+    want: int,
+    capacity: int,
+    own: Sequence[Placed],
+    blocked: Sequence[Blocked] = (),
+) -> Placed:
+    """(start, end, units) of a kernel that may start at `ready` (see the module)."""
+    if duration < 0:
+        raise ValueError(f"negative kernel duration: {duration}")
+    if not 1 <= want <= capacity or full < 1:
+        raise ValueError(f"kernel wants {want} units of {capacity} (full occupancy {full})")
+    start = ready
+    for _ in range(_MAX_STEPS):
+        for b0, b1 in blocked:  # start outside every blocked interval
+            if b0 <= start < b1:
+                start = b1
+        covering = [b for b in blocked if b[0] <= start < b[1]]
+        if covering:
+            continue
+        free = capacity - units_in_use(own, start)
+        if free < 1:
+            start = min(e for s, e, _ in own if s <= start < e)
+            continue
+        units = min(want, free)
+        while True:
+            end = start + duration * full / units
+            fits = _min_free(own, start, end, capacity)
+            if fits >= units:
+                break
+            if fits < 1:
+                units = 0
+                break
+            units = fits
+        if units == 0:  # an own kernel takes the rest later on: start when the first one ends
+            start = min(e for s, e, _ in own if start < e and s < start + duration * full)
+            continue
+        clash = [b for b in blocked if start < b[0] < end]
+        if clash:
+            start = min(b1 for b0, b1 in clash)
+            continue
+        return start, end, units
+    raise RuntimeError(f"no placement found for a kernel ready at {ready} after {_MAX_STEPS} steps")

@@ -1,0 +1,235 @@
+"""Timed mode of the emulated device: kernels in GPU time, phantom data, and the same memory
+behaviour as functional mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from streambox.device.emulated import EmulatedBackend
+from streambox.device.specs import MiB
+
+from .conftest import SMALL_SPEC
+
+
+@pytest.fixture
+def timed(tmp_path):
+    backend = EmulatedBackend(spec=SMALL_SPEC, state_dir=tmp_path / "state", mode="timed")
+    yield backend
+    backend.close()
+
+
+def _kernels(rt):
+    return [rec for rec in rt.timeline() if rec.kind == "kernel"]
+
+
+def test_kernels_take_their_duration_in_stream_order_without_running(timed):
+    rt = timed.open_runtime(0)
+    s = rt.create_stream()
+    ran = []
+    begin, end = rt.create_event(), rt.create_event()
+    begin.record(s)
+    for i in range(5):
+        rt.launch(s, lambda i=i: ran.append(i), blocks=8, duration_s=0.02, name=f"k{i}")
+    end.record(s)
+    assert not end.query()  # placed, not yet reached in GPU time
+    t0 = time.perf_counter()
+    s.synchronize()
+    assert time.perf_counter() - t0 > 0.05  # the host waits for the modelled time
+    assert ran == []  # phantom: the callables never run
+    assert begin.elapsed_ms(end) == pytest.approx(100.0, abs=5.0)  # plus the host's issue time
+    kernels = _kernels(rt)
+    assert kernels[-1].end - kernels[0].start == pytest.approx(0.1, rel=1e-9)
+    assert [k.name for k in kernels] == [f"k{i}" for i in range(5)]
+    for a, b in zip(kernels, kernels[1:], strict=False):
+        assert b.start == a.end  # back to back on one stream
+    assert rt.timed_stats()["kernels"] == 5 and rt.timed_stats()["fallback_kernels"] == 0
+    rt.launch(s, lambda: None, blocks=8, duration_s=0.05, name="last")
+    t0 = time.perf_counter()
+    rt.close()  # waits for the placed work, as a context's destruction does
+    assert time.perf_counter() - t0 > 0.03
+
+
+def test_fewer_units_make_a_kernel_longer_and_streams_share_the_context_units(timed):
+    rt = timed.open_runtime(0)  # 8 compute units
+    s1, s2, s3 = rt.create_stream(), rt.create_stream(), rt.create_stream()
+    gate = rt.create_event()
+    gate.record(s1)
+    rt.launch(s1, lambda: None, blocks=8, cu_cap=2, duration_s=0.01, name="capped")
+    (capped,) = _kernels(rt)
+    assert capped.end - capped.start == pytest.approx(0.04)  # 8 blocks on 2 units: 4 waves
+    # two full-width kernels on two streams: the second gets what the first leaves (nothing): serial
+    for s in (s2, s3):
+        rt.launch(s, lambda: None, blocks=8, duration_s=0.01, name="wide")
+    wide = [k for k in _kernels(rt) if k.name == "wide"]
+    assert wide[0].compute_units == 6  # the capped kernel still holds 2 of the 8 units
+    assert wide[1].start >= min(wide[0].end, capped.end) - 1e-9
+    rt.close()
+
+
+def test_a_launch_without_duration_uses_the_documented_fallback_and_counts_it(timed):
+    rt = timed.open_runtime(0)
+    s = rt.create_stream()
+    rt.launch(s, lambda: None, blocks=8)
+    s.synchronize()
+    (k,) = _kernels(rt)
+    assert k.end - k.start == pytest.approx(SMALL_SPEC.fallback_kernel_s)
+    assert rt.timed_stats()["fallback_kernels"] == 1
+    with pytest.raises(ValueError, match="duration_s"):
+        rt.launch(s, lambda: None, duration_s=-1.0)
+    rt.close()
+
+
+def test_data_is_phantom_but_memory_is_accounted(timed):
+    rt = timed.open_runtime(0)
+    s = rt.create_stream()
+    used_before = timed.device_usage()[0].used_memory
+    address = rt.mem_alloc(32 * MiB)
+    assert timed.device_usage()[0].used_memory - used_before == 32 * MiB
+    host = torch.full((1024,), 7.0)
+    rt.copy_htod_async(address, host, host.numel() * 4, s)
+    back = torch.full((1024,), 3.0)
+    rt.copy_dtoh_async(back, address, back.numel() * 4, s)
+    s.synchronize()
+    assert torch.count_nonzero(back) == 0  # a download reads zeros
+    view = rt.view(address, torch.float32, (16, 16))
+    assert view.device.type == "meta" and view.shape == (16, 16)
+    rt.mem_free(address)
+    with pytest.raises(Exception, match="invalid|not an allocation|free"):
+        rt.view(address, torch.float32, (4,))
+    rt.close()
+
+
+def test_a_free_takes_effect_at_its_modelled_time(timed):
+    rt = timed.open_runtime(0)
+    s = rt.create_stream()
+    pool = rt.create_pool(release_threshold=16 * MiB)  # keeps what is freed cached
+    address = pool.alloc_async(MiB, s)
+    rt.launch(s, lambda: None, blocks=8, duration_s=0.1)
+    pool.free_async(address, s)
+    assert pool.used_bytes == MiB  # the stream reaches the free only after the kernel
+    other = pool.alloc_async(MiB, s)
+    assert other != address
+    s.synchronize()
+    assert pool.used_bytes == MiB  # the first block came back; the second is held
+    assert pool.alloc_async(MiB, s) == address
+    rt.close()
+
+
+def test_an_event_gates_another_stream_in_modelled_time(timed):
+    rt = timed.open_runtime(0)
+    a, b = rt.create_stream(), rt.create_stream()
+    done = rt.create_event()
+    rt.launch(a, lambda: None, blocks=4, duration_s=0.05, name="first")
+    done.record(a)
+    b.wait_event(done)
+    rt.launch(b, lambda: None, blocks=4, duration_s=0.01, name="second")
+    b.synchronize()
+    first, second = _kernels(rt)
+    assert second.start == pytest.approx(first.end, abs=1e-9)
+    rt.close()
+
+
+def test_a_copy_in_flight_orders_the_kernels_behind_it(timed):
+    rt = timed.open_runtime(0)
+    s = rt.create_stream()
+    address = rt.mem_alloc(4 * MiB)
+    host = rt.host_alloc(4 * MiB)
+    rt.copy_htod_async(address, host, 4 * MiB, s)
+    rt.launch(s, lambda: None, blocks=8, duration_s=0.005, name="after")
+    s.synchronize()
+    (copy,) = [r for r in rt.timeline() if r.kind == "htod"]
+    (kernel,) = _kernels(rt)
+    assert copy.end - copy.start == pytest.approx(SMALL_SPEC.link.copy_seconds(4 * MiB), rel=1e-6)
+    assert kernel.start == pytest.approx(copy.end, abs=1e-9)
+    rt.close()
+
+
+def test_mps_share_limits_units_and_bad_shares_are_refused(timed):
+    rt = timed.open_runtime(0, gpu_percent=50)
+    assert rt.units == 4 and rt.properties().extra["gpu_percent"] == 50
+    s = rt.create_stream()
+    rt.launch(s, lambda: None, blocks=8, duration_s=0.01)
+    (k,) = _kernels(rt)
+    assert k.compute_units == 4 and k.end - k.start == pytest.approx(0.02)
+    rt.close()
+    for bad in (0, 101, 50.0):
+        with pytest.raises(ValueError, match="gpu_percent"):
+            timed.open_runtime(0, gpu_percent=bad)
+
+
+def test_issuing_timed_kernels_costs_little_host_cpu(timed):
+    """The point of virtual time: no thread hop and no sleep per kernel."""
+    rt = timed.open_runtime(0)
+    s = rt.create_stream()
+    n = 2000
+    cpu = time.process_time()
+    for _ in range(n):
+        rt.launch(s, lambda: None, blocks=8, duration_s=100e-6)
+    s.synchronize()
+    per_kernel = (time.process_time() - cpu) / n
+    assert per_kernel < 100e-6, f"{per_kernel * 1e6:.1f} us of host CPU per kernel"
+    assert threading.active_count() < 50
+    rt.close()
+
+
+def test_framework_runtime_costs_memory_and_counts_the_process_start_towards_its_init(tmp_path):
+    spec = SMALL_SPEC.with_overrides(framework_memory=8 * MiB, framework_init_s=0.3)
+    backend = EmulatedBackend(spec=spec, state_dir=tmp_path / "state")
+    bare = backend.open_runtime(0)
+    assert bare.allocated_bytes() == spec.context_memory
+    t0 = time.perf_counter()
+    framework = backend.open_runtime(0, framework=True)
+    # this test process started long ago (its import of torch is older than 0.3 s): nothing is added
+    assert time.perf_counter() - t0 < 0.25
+    assert framework.allocated_bytes() == spec.context_memory + 8 * MiB
+    assert framework.properties().extra["framework_memory"] == 8 * MiB
+    assert backend.device_usage()[0].used_memory == 2 * spec.context_memory + 8 * MiB
+    backend.close()
+
+
+def test_presets_cost_what_the_paper_measured_and_name_every_source():
+    from dataclasses import fields
+
+    from streambox.device.specs import PRESETS, SOURCES, V100_16GB, LinkModel
+
+    # paper Sec. 2, Figs. 2-3: a PyTorch function's runtime up to ~1.4 GB and ~5 s to initialise
+    assert V100_16GB.context_memory + V100_16GB.framework_memory == 1400 * MiB
+    assert V100_16GB.context_create_s + V100_16GB.framework_init_s == pytest.approx(5.0)
+    numbers = [f.name for f in fields(V100_16GB) if f.name not in ("name", "link")]
+    numbers += [f"link.{f.name}" for f in fields(LinkModel)]
+    assert sorted(SOURCES) == sorted(numbers)
+    assert set(PRESETS) == {"v100-16gb", "h100-80gb"}
+
+
+def test_a_fresh_process_pays_the_framework_init_once_its_own_start_up_included(tmp_path):
+    """The child really imports torch; the modelled initialisation only tops its age up to the
+    framework's `framework_init_s` (here 3 s by the run's override), it does not add a second import."""
+    script = (
+        "import json, sys, time\n"
+        "from streambox.device.emulated import EmulatedBackend, _process_uptime\n"
+        "from streambox.device.specs import V100_16GB\n"
+        "spec = V100_16GB.with_overrides(context_create_s=0.0)\n"
+        "backend = EmulatedBackend(spec, state_dir=sys.argv[1])\n"
+        "before = _process_uptime(); t = time.perf_counter()\n"
+        "rt = backend.open_runtime(0, framework=True)\n"
+        "print(json.dumps({'before': before, 'open': time.perf_counter() - t, 'after': _process_uptime(),\n"
+        "                  'bytes': rt.allocated_bytes()}))\n"
+        "rt.close()\n"
+    )
+    env = {**os.environ, "STREAMBOX_FRAMEWORK_INIT_S": "3", "STREAMBOX_FRAMEWORK_MEMORY": "1000"}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "state")], env=env, cwd="/", capture_output=True,
+        text=True, check=True, timeout=120,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["bytes"] == 300 * MiB + 1000  # the context, and the framework as the run overrides it
+    assert report["after"] >= 3.0 - 0.05  # the process is at least as old as the framework's init
+    assert report["open"] <= max(0.0, 3.0 - report["before"]) + 0.3  # its own start-up counted once

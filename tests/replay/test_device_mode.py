@@ -1,0 +1,55 @@
+"""The replay's device mode: timed by default on the command line, functional one flag away, written
+to config.json, and exported to the processes the system starts while the run lasts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from streambox.device.modes import ENV_DEVICE_MODE
+from streambox.replay import run_replay
+from streambox.replay.cli import main
+
+from .conftest import SleepingDriverTestDouble
+
+FAST = {"minutes": 20, "minute_seconds": 0.02, "sample_interval_s": 0.02, "progress": False}
+CLI_FAST = ["--system", "inprocess-cpu", "--minutes", "30", "--minute-seconds", "0.02", "--max-requests", "5",
+            "--set", "model_mib=1", "--functions", "2", "--no-progress"]
+
+
+class ModeRecordingDouble(SleepingDriverTestDouble):
+    async def start(self) -> None:
+        self.mode_at_start = os.environ.get(ENV_DEVICE_MODE)
+
+
+def test_the_command_line_replays_in_timed_mode_unless_told_otherwise(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(ENV_DEVICE_MODE, raising=False)
+    assert main(["replay", *CLI_FAST, "--out", str(tmp_path / "timed")]) == 0
+    assert "device mode: timed" in capsys.readouterr().out
+    config = json.loads((tmp_path / "timed" / "config.json").read_text())
+    assert config["device_mode"] == config["config"]["device_mode"] == "timed"
+    assert config["config"]["slo_ms"] == 200.0  # the paper's SLO
+    assert main(["replay", *CLI_FAST, "--device-mode", "functional", "--out", str(tmp_path / "f")]) == 0
+    assert "device mode: functional" in capsys.readouterr().out
+    assert json.loads((tmp_path / "f" / "config.json").read_text())["device_mode"] == "functional"
+    monkeypatch.setenv(ENV_DEVICE_MODE, "functional")  # the environment chooses when no flag does
+    assert main(["replay", *CLI_FAST, "--out", str(tmp_path / "env")]) == 0
+    assert json.loads((tmp_path / "env" / "config.json").read_text())["device_mode"] == "functional"
+
+
+def test_the_run_exports_its_mode_while_it_lasts(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_DEVICE_MODE, raising=False)
+    double = ModeRecordingDouble()
+    result = run_replay(None, system="x", out=tmp_path / "x", target=double, device_mode="timed", **FAST)
+    assert double.mode_at_start == "timed"
+    assert ENV_DEVICE_MODE not in os.environ  # restored
+    assert result.config.device_mode == "timed"
+    library = run_replay(None, system="y", out=tmp_path / "y", target=ModeRecordingDouble(), **FAST)
+    assert library.config.device_mode == "functional"  # the library's default
+
+
+def test_a_bad_mode_is_refused_with_the_allowed_values(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(ENV_DEVICE_MODE, "fast")
+    assert main(["replay", *CLI_FAST, "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "$STREAMBOX_DEVICE_MODE" in err and "functional, timed" in err
