@@ -236,7 +236,7 @@ def _cells(r: Row) -> list[Any]:
 def tables(quick: bool) -> list[tuple[str, list[str], list[list[Any]]]]:
     """(title, columns, rows) per measurement group, as bench_device.py prints them."""
     groups = [
-        ("shared PCIe link, one context per process (V100 preset; measured vs expected)", link_sharing(quick)),
+        ("shared PCIe link, a context per process (V100; measured vs expected)", link_sharing(quick)),
         ("kernels of two contexts: time-slicing vs MPS 50/50 (measured vs expected)", time_slicing(quick)),
         ("host CPU per modelled GPU second, timed mode (measured vs ideal)", host_cpu(quick)),
     ]
