@@ -20,6 +20,7 @@ the presets' public peak figures and efficiencies calibrated against published V
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -72,6 +73,11 @@ _OP_CLASS: Mapping[str, str] = MappingProxyType(
         ),
     }
 )
+
+#: torch.export and FlopCounterMode push and pop torch's dispatch-mode stacks, which concurrent threads
+#: corrupt ("Trying to pop empty mode stack": the proxy lowers two models at once in helper threads).
+#: Whoever exports or counts takes this lock; re-entrant because lowering counts FLOPs inside it.
+TORCH_MODE_LOCK = threading.RLock()
 
 
 class UnknownPreset(KeyError):
@@ -145,7 +151,7 @@ def count_flops(kernel: Kernel, variables: Mapping[str, VarSpec]) -> int:
     kwargs = {
         k: _meta_args(argcodec.decode(v), variables) for k, v in kernel.kwargs.items() if k not in out_args
     }
-    with FlopCounterMode(display=False) as counter:
+    with TORCH_MODE_LOCK, FlopCounterMode(display=False) as counter:
         op(*args, **kwargs)
     return int(counter.get_total_flops())
 

@@ -300,10 +300,11 @@ def lower_module(module: nn.Module, example: torch.Tensor, model: str) -> Kernel
     """Lower ``module`` (put in eval mode) for the exact shape of ``example`` (batch first)."""
     start = time.perf_counter()
     module = module.eval()
-    with torch.no_grad():
-        ep = torch.export.export(module, (example,))
-    ep = ep.run_decompositions()  # default table: core ATen
-    plan = lower_program(ep, model, int(example.shape[0]), list(example.shape[1:]), example.dtype)
+    with cost_model.TORCH_MODE_LOCK:  # export is not safe against a concurrent export or FLOP count
+        with torch.no_grad():
+            ep = torch.export.export(module, (example,))
+        ep = ep.run_decompositions()  # default table: core ATen
+        plan = lower_program(ep, model, int(example.shape[0]), list(example.shape[1:]), example.dtype)
     plan.meta["lowering_s"] = round(time.perf_counter() - start, 3)
     return plan
 
