@@ -105,10 +105,12 @@ def test_bad_workflows_give_one_line_errors(tmp_path, capsys):
 
 def test_traffic_params_and_default_inputs():
     spec = load_example("traffic")
-    demo = resolve_params(spec)
-    assert demo.functions["detect"].params["image_size"] == 128
-    assert demo.functions["detect"].params["max_people"] == 2
-    assert resolve_params(spec, full_size=True).functions["detect"].params["image_size"] == 320
+    small = resolve_params(spec)  # the zoo's small shapes, as `serve --inputs small` and replay's
+    assert small.functions["detect"].params == load_example("traffic", small=True).functions["detect"].params
+    assert small.functions["detect"].params["image_size"] == 64
+    assert resolve_params(spec, inputs="full").functions["detect"].params["image_size"] == 320
+    with pytest.raises(ValueError, match="inputs 'tiny' is not one of small, full"):
+        resolve_params(spec, inputs="tiny")
     tuned = resolve_params(spec, ["image_size=96", "detect.min_box=1.5", "face.flag=true"])
     assert tuned.functions["detect"].params["image_size"] == 96
     assert tuned.functions["detect"].params["min_box"] == 1.5
