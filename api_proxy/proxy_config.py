@@ -35,7 +35,7 @@ from streambox.config import (
     SettingsModel,
     build,
     check_keys,
-    env_default,
+    env_factory,
     option_name,
 )
 
@@ -86,13 +86,15 @@ class ProxyConfig(Mechanisms):
     workflow: str
     functions: tuple[FunctionSpec, ...]
     device: int = Field(0, ge=0)
-    channel: Literal["shm", "zmq"] = Field(default_factory=lambda: env_default("channel") or "shm")
-    completion: Literal["poll", "sync"] = Field(default_factory=lambda: env_default("completion") or "poll")
+    channel: Literal["shm", "zmq"] = Field(default_factory=env_factory("channel", default="shm"))
+    completion: Literal["poll", "sync"] = Field(default_factory=env_factory("completion", default="poll"))
     keep_alive_s: float = Field(DEFAULT_KEEP_ALIVE_S, ge=0)  # idle instances stop after this
     spin_us: float = 200.0  # how long a waiting side spins before it sleeps on its doorbell
     poll_us: float = 200.0  # `poll` completion: the pause between two queries of pending events
     ring_bytes: int = Field(1 << 20, ge=1)
-    model_shapes: Literal["small", "full"] = Field(default_factory=lambda: env_default("inputs"))
+    model_shapes: Literal["small", "full"] = Field(
+        default_factory=env_factory("inputs", "model_shapes", default="small")
+    )
     preload: tuple[str, ...] = ("torch",)  # modules the template imports before any handler
     sys_path: tuple[str, ...] = ()  # prepended in the template (where the handler modules live)
     huge_pages: bool = True  # back the template's heap with huge pages (cheaper forks)

@@ -18,7 +18,8 @@ and what is allowed. This module imports neither torch nor any device library (t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -104,6 +105,20 @@ def build(model: type[M], where: str = "", **values: Any) -> M:
         prefix = f"{model.__name__}: "
         lines = (line.removeprefix(prefix) for line in str(error).splitlines())
         raise SettingsError("\n".join(f"{where}: {line}" for line in lines)) from None
+
+
+def env_factory(*names: str, default: Any = None) -> Callable[[], Any]:
+    """A default factory: the first `STREAMBOX_<NAME>` set in the environment (validated like any
+    value), else `default`; so a switch set in the environment reaches every record built here."""
+
+    def factory() -> Any:
+        for name in names:
+            value = os.environ.get(f"{ENV_PREFIX}{name.upper()}")
+            if value is not None:
+                return value
+        return default
+
+    return factory
 
 
 def _words(value: Any) -> Any:
@@ -203,29 +218,41 @@ class Mechanisms(SettingsModel):
         "streambox", description="streambox (all mechanisms) or stream-only (runtime sharing alone)"
     )
     pool_mode: Literal["static", "fm", "fm+rs"] | None = Field(
-        None, description="memory pool: static | fm (FM) | fm+rs (FM and RS); default: the system's"
+        default_factory=env_factory("pool_mode"),
+        description="memory pool: static | fm (FM) | fm+rs (FM and RS); default: the system's",
     )
     recycler: Literal["kernel", "thread"] | None = Field(
-        None, description="where eager recycling runs: kernel (default) | thread"
+        default_factory=env_factory("recycler"),
+        description="where eager recycling runs: kernel (default) | thread",
     )
     io_daemon: bool | None = Field(
-        None, description="on | off: the IO daemon, or FIFO copies straight to the copy engine"
+        default_factory=env_factory("io_daemon"),
+        description="on | off: the IO daemon, or FIFO copies straight to the copy engine",
     )
     rz: bool | None = Field(
-        None, description="on | off: the IO daemon's right-sized 2 MiB blocks (RZ; off: 16 KiB)"
+        default_factory=env_factory("rz"),
+        description="on | off: the IO daemon's right-sized 2 MiB blocks (RZ; off: 16 KiB)",
     )
-    pb: bool | None = Field(None, description="on | off: one shared pinned buffer (PB; off: one per request)")
+    pb: bool | None = Field(
+        default_factory=env_factory("pb"),
+        description="on | off: one shared pinned buffer (PB; off: one per request)",
+    )
     bt: bool | None = Field(
-        None, description="on | off: batched transfer, 6 blocks a call, 2 batches in flight (BT)"
+        default_factory=env_factory("bt"),
+        description="on | off: batched transfer, 6 blocks a call, 2 batches in flight (BT)",
     )
     pa: bool | None = Field(
-        None, description="on | off: the store sizes itself to predicted idle memory (PA)"
+        default_factory=env_factory("pa"),
+        description="on | off: the store sizes itself to predicted idle memory (PA)",
     )
     am: bool | None = Field(
-        None, description="on | off: data leaving a GPU goes to a neighbour GPU before host (AM)"
+        default_factory=env_factory("am"),
+        description="on | off: data leaving a GPU goes to a neighbour GPU before host (AM)",
     )
     weights_keep_alive_s: float | None = Field(
-        None, ge=0, description="seconds shared model weights stay after their last use (default: keep-alive)"
+        default_factory=env_factory("weights_keep_alive_s"),
+        ge=0,
+        description="seconds shared model weights stay after their last use (default: keep-alive)",
     )
 
     @field_validator(
@@ -315,13 +342,16 @@ class RunOptions(SettingsModel):
     """What `serve`, `burst` and `replay` share besides the device and the mechanisms."""
 
     inputs: Literal["small", "full"] = Field(
-        "small", description="small: the zoo's small input shapes (fast on CPU cores) | full: the YAML's"
+        default_factory=env_factory("inputs", "model_shapes", default="small"),
+        description="small: the zoo's small input shapes (fast on CPU cores) | full: the YAML's",
     )
     completion: Literal["poll", "sync"] | None = Field(
-        None, description="the proxy's completion: poll (event polling, default) | sync (stream sync)"
+        default_factory=env_factory("completion"),
+        description="the proxy's completion: poll (event polling, default) | sync (stream sync)",
     )
     channel: Literal["shm", "zmq"] | None = Field(
-        None, description="the proxy's forwarding channel: shm (default) | zmq"
+        default_factory=env_factory("channel"),
+        description="the proxy's forwarding channel: shm (default) | zmq",
     )
 
     @field_validator("inputs", "completion", "channel", mode="before")
@@ -358,10 +388,7 @@ class Settings(BaseSettings, DeviceFields, Mechanisms, RunOptions):
 
     @classmethod
     def from_env(cls) -> Settings:
-        try:
-            return cls()
-        except ValidationError as error:
-            raise settings_error(error, where="environment (STREAMBOX_*)") from None
+        return build(cls, "environment (STREAMBOX_*)")
 
     def config(self, **defaults: Any) -> Config:
         """The device configuration; `defaults` fill what the environment left unset."""
@@ -381,8 +408,8 @@ class Settings(BaseSettings, DeviceFields, Mechanisms, RunOptions):
 
 
 def env_default(name: str) -> Any:
-    """One field's value from the environment (or the tree's default)."""
-    return getattr(Settings.from_env(), name)
+    """A run option's value from the environment (or the tree's default), e.g. `inputs`."""
+    return getattr(build(RunOptions, "environment (STREAMBOX_*)"), name)
 
 
 def option_name(key: str) -> str:
@@ -414,6 +441,7 @@ __all__ = [
     "check_keys",
     "default_model_pool",
     "env_default",
+    "env_factory",
     "option_name",
     "settings_error",
 ]
