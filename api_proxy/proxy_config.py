@@ -3,10 +3,11 @@ torch-free.
 
 `ProxyConfig` extends `streambox.config.Mechanisms` (the paper's mechanisms, one switch each: `system`,
 `pool_mode`, `recycler`, `io_daemon`, `rz`, `pb`, `bt`, `pa`, `am`, `weights_keep_alive_s`; None: the
-system's default) with the workflow's functions, the channel, completion, keep-alive and the device
-options (None: from the environment). `settings()` is the resolved tree the proxy reports in its
-`stats` reply; `daemon_config()`, `store_config()` and `device_config()` build what the IO daemon, the
-communication store and the backend take.
+system's default) and `Tuning` (the `pool`, `store` and `memory` groups of library knobs) with the
+workflow's functions, the channel, completion, keep-alive and the device options (None: from the
+environment). `settings()` is the resolved tree the proxy reports in its `stats` reply;
+`memory_options()`, `daemon_config()`, `store_config()` and `device_config()` build what the memory
+side, the IO daemon, the communication store and the backend take.
 
 `ablation_options({"pool_mode": "fm", "io-daemon": "off", "pa": "off"})` parses string options (the
 replay harness's `--set KEY=VALUE`) into these fields; errors name the key, the value and what is
@@ -15,9 +16,10 @@ allowed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -33,6 +35,7 @@ from streambox.config import (
     Mechanisms,
     RunOptions,
     SettingsModel,
+    Tuning,
     build,
     check_keys,
     env_factory,
@@ -40,6 +43,9 @@ from streambox.config import (
 )
 
 from .keepalive import DEFAULT_KEEP_ALIVE_S
+
+if TYPE_CHECKING:
+    from streambox.comm.config import StoreConfig
 
 MODEL_SHAPES = ("small", "full")
 
@@ -79,7 +85,7 @@ class FunctionSpec(SettingsModel):
         return value
 
 
-class ProxyConfig(Mechanisms):
+class ProxyConfig(Mechanisms, Tuning):
     """One proxy: a workflow's functions, the device, the channel, completion and keep-alive, and the
     mechanisms (see the module doc)."""
 
@@ -135,6 +141,21 @@ class ProxyConfig(Mechanisms):
         keep = self.weights_keep_alive_s
         return float(keep if keep is not None else self.keep_alive_s)
 
+    def memory_options(self) -> Any:
+        """`ProxyMemory`'s `MemoryOptions`: the pool mode, recycler and weights' keep-alive as
+        resolved, the `pool` group's `PoolConfig`, the `memory` group over the rest."""
+        return dataclasses.replace(
+            self.memory_base(),
+            mode=self.resolved_pool_mode,
+            pool=self.pool_config(),
+            keep_alive_s=self.resolved_weights_keep_alive_s,
+            recycler=self.resolved_recycler,
+        )
+
+    def store_config(self, base: StoreConfig | None = None) -> StoreConfig:
+        """The store's configuration: the `store` group, then PA and AM as switched."""
+        return super().store_config(base or self.store_base())
+
     def device_config(self) -> Config:
         """The device configuration: the environment's, with this record's device options over it."""
         return Config.from_env().with_overrides(
@@ -157,6 +178,7 @@ class ProxyConfig(Mechanisms):
             "completion": self.completion,
             "inputs": self.model_shapes,
             "device": {**device.resolved(), "index": self.device},
+            **self.tuning(),
         }
 
     def function(self, name: str) -> FunctionSpec:

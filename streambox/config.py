@@ -18,6 +18,7 @@ and what is allowed. This module imports neither torch nor any device library (t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -54,6 +56,7 @@ IO_SWITCHES = ("rz", "pb", "bt")
 SWITCH_WORDS = "on or off (true/false, yes/no, 1/0)"
 
 M = TypeVar("M", bound=BaseModel)
+D = TypeVar("D")
 
 
 class SettingsError(ValueError):
@@ -119,6 +122,36 @@ def env_factory(*names: str, default: Any = None) -> Callable[[], Any]:
         return default
 
     return factory
+
+
+def env_group(group: str) -> Callable[[], dict[str, str]]:
+    """A default factory: the `STREAMBOX_<GROUP>__<FIELD>` variables of the environment as a mapping."""
+
+    def factory() -> dict[str, str]:
+        prefix = f"{ENV_PREFIX}{group.upper()}__"
+        return {k[len(prefix) :].lower(): v for k, v in os.environ.items() if k.upper().startswith(prefix)}
+
+    return factory
+
+
+def library_config(
+    kind: type[D], values: Mapping[str, Any], group: str, reserved: Mapping[str, str] = {}
+) -> D:
+    """The library's own dataclass (`PoolConfig`, `StoreConfig`, ...) from a group of the tree, its
+    values validated and converted by pydantic against the dataclass's annotations; a mistake names
+    `group.field`, the value and what is allowed; `reserved` fields are set elsewhere (by a switch)."""
+    known = [f.name for f in dataclasses.fields(kind)]  # type: ignore[arg-type]
+    reserved = reserved or {}
+    for name in values:
+        if name in reserved:
+            raise SettingsError(f"{group}.{name}: set by {reserved[name]}, not in this group")
+        if name not in known:
+            allowed = ", ".join(n for n in known if n not in reserved)
+            raise SettingsError(f"{group}.{name} is not a setting of {kind.__name__}; known: {allowed}")
+    try:
+        return TypeAdapter(kind).validate_python(dict(values))
+    except ValidationError as error:
+        raise settings_error(error, where=group) from None
 
 
 def _words(value: Any) -> Any:
@@ -300,12 +333,12 @@ class Mechanisms(SettingsModel):
             rz=self.rz is not False, pb=self.pb is not False, bt=self.bt is not False
         )
 
-    def store_config(self) -> StoreConfig:
-        """The communication store's configuration with PA and AM as switched (on unless off; both
-        systems' store is StreamBox's today)."""
+    def store_config(self, base: StoreConfig | None = None) -> StoreConfig:
+        """The communication store's configuration (`base`, default the library's) with PA and AM as
+        switched (on unless off; both systems' store is StreamBox's today)."""
         from streambox.comm.config import StoreConfig
 
-        return StoreConfig().ablation(pa=self.pa is not False, am=self.am is not False)
+        return (base or StoreConfig()).ablation(pa=self.pa is not False, am=self.am is not False)
 
     def resolved(self) -> dict[str, Any]:
         """Every mechanism as it runs (defaults resolved), for `stats` and config.json."""
@@ -335,6 +368,65 @@ class Mechanisms(SettingsModel):
 MECHANISM_FIELDS = tuple(name for name in Mechanisms.model_fields if name != "system")
 #: The device fields every command takes as flags (the model pool and ledger: environment only).
 DEVICE_FIELDS = tuple(DeviceFields.model_fields)
+
+
+# ========================================================================================== tuning
+class Tuning(SettingsModel):
+    """The libraries' other knobs, by group, each checked against the library's own dataclass (the
+    pure policies keep taking those): `pool` (`memory_pool.pool.PoolConfig`), `store`
+    (`comm.config.StoreConfig`, but PA and AM: the switches), `memory` (`api_proxy.proxy_memory.
+    MemoryOptions`: `t_interval_s`, `headroom_bytes`, periods). Environment:
+    `STREAMBOX_POOL__CHUNK_BYTES=4194304`, `STREAMBOX_STORE__CAPACITY_FRACTION=0.3`."""
+
+    pool: dict[str, Any] = Field(default_factory=env_group("pool"))
+    store: dict[str, Any] = Field(default_factory=env_group("store"))
+    memory: dict[str, Any] = Field(default_factory=env_group("memory"))
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> Tuning:
+        if self.pool:
+            self.pool_config()
+        if self.store:
+            self.store_base()
+        if self.memory:
+            self.memory_base()
+        return self
+
+    def pool_config(self) -> Any:
+        """`PoolConfig` with the `pool` group over its defaults."""
+        from streambox.memory_pool.pool import PoolConfig
+
+        return library_config(PoolConfig, self.pool, "pool")
+
+    def store_base(self) -> StoreConfig:
+        """`StoreConfig` with the `store` group over its defaults (PA and AM: `Mechanisms`)."""
+        from streambox.comm.config import StoreConfig
+
+        reserved = {"pressure_aware": "pa", "adaptive_movement": "am"}
+        return library_config(StoreConfig, self.store, "store", reserved)
+
+    def memory_base(self) -> Any:
+        """`MemoryOptions` with the `memory` group over its defaults (the rest: `memory_options`)."""
+        from streambox.api_proxy.proxy_memory import MemoryOptions
+
+        reserved = {
+            "mode": "pool_mode",
+            "pool": "the pool group",
+            "keep_alive_s": "weights_keep_alive_s",
+            "recycler": "recycler",
+        }
+        return library_config(MemoryOptions, self.memory, "memory", reserved)
+
+    def tuning(self) -> dict[str, dict[str, Any]]:
+        """The groups given, each value as the library takes it (for the records)."""
+        built = (("pool", self.pool, self.pool_config), ("store", self.store, self.store_base),
+                 ("memory", self.memory, self.memory_base))  # fmt: skip
+        out = {}
+        for name, group, make in built:
+            if group:
+                made = make()
+                out[name] = {key: getattr(made, key) for key in group}
+        return out
 
 
 # =========================================================================================== runs
@@ -369,7 +461,7 @@ RUN_FIELDS = tuple(RunOptions.model_fields)
 
 
 # ==================================================================================== environment
-class Settings(BaseSettings, DeviceFields, Mechanisms, RunOptions):
+class Settings(BaseSettings, DeviceFields, Mechanisms, RunOptions, Tuning):
     """The environment over the whole tree: `STREAMBOX_<FIELD>` (e.g. `STREAMBOX_DEVICE_MODE=timed`,
     `STREAMBOX_PA=off`, `STREAMBOX_MODEL_SHAPES=full` for `inputs`)."""
 
@@ -436,12 +528,15 @@ __all__ = [
     "RunOptions",
     "Settings",
     "SettingsError",
+    "Tuning",
     "SettingsModel",
     "build",
     "check_keys",
     "default_model_pool",
     "env_default",
     "env_factory",
+    "env_group",
+    "library_config",
     "option_name",
     "settings_error",
 ]

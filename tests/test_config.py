@@ -114,3 +114,45 @@ def test_each_paper_ablation_maps_to_its_mechanism() -> None:
         assert Mechanisms(**{switch: "off"}).daemon_config() == daemon
     assert Mechanisms(pa="off").store_config() == StoreConfig(pressure_aware=False)
     assert Mechanisms(am="off").store_config() == StoreConfig(adaptive_movement=False)
+
+
+def test_library_knobs_come_in_groups_checked_against_the_librarys_dataclasses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`STREAMBOX_<GROUP>__<FIELD>` (the nested delimiter): pool, store and memory knobs reach the
+    `PoolConfig`, `StoreConfig` and `MemoryOptions` the proxy builds, typed and checked."""
+    from streambox.api_proxy.proxy_config import ProxyConfig
+
+    monkeypatch.setenv("STREAMBOX_POOL__CHUNK_BYTES", "4194304")
+    monkeypatch.setenv("STREAMBOX_STORE__CAPACITY_FRACTION", "0.25")
+    monkeypatch.setenv("STREAMBOX_MEMORY__HEADROOM_BYTES", "1048576")
+    assert Settings.from_env().tuning() == {
+        "pool": {"chunk_bytes": 4 << 20},
+        "store": {"capacity_fraction": 0.25},
+        "memory": {"headroom_bytes": 1 << 20},
+    }
+    proxy = ProxyConfig(workflow="wf", functions=(), pool_mode="fm", pa="off", weights_keep_alive_s=3)
+    options = proxy.memory_options()
+    assert (options.pool.chunk_bytes, options.headroom_bytes) == (4 << 20, 1 << 20)
+    assert (options.mode.value, options.keep_alive_s, options.recycler) == ("fm", 3.0, "kernel")
+    store = proxy.store_config()
+    assert (store.capacity_fraction, store.pressure_aware, store.adaptive_movement) == (0.25, False, True)
+    assert ProxyConfig.from_json(proxy.to_json()) == proxy  # the groups cross to the proxy process
+    assert proxy.settings()["pool"] == {"chunk_bytes": 4 << 20}
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        ({"pool": {"chunk_bytes": "big"}}, "pool: chunk_bytes 'big' is not an integer"),
+        ({"pool": {"chunk_bytes": 3}}, "pool: need nbytes >= 0 and chunk_bytes a multiple of 256"),
+        ({"store": {"pressure_aware": False}}, "store.pressure_aware: set by pa"),
+        ({"store": {"window": 1}}, "store.window is not a setting of StoreConfig; known: capacity_fraction"),
+        ({"memory": {"mode": "fm"}}, "memory.mode: set by pool_mode"),
+    ],
+)
+def test_group_mistakes_name_the_group_and_field(groups: dict, message: str) -> None:
+    from streambox.api_proxy.proxy_config import ProxyConfig
+
+    with pytest.raises(SettingsError, match=message):
+        ProxyConfig(workflow="wf", functions=(), **groups)
