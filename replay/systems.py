@@ -109,10 +109,12 @@ class WorkflowTarget:
         # Checked now, before the run starts: the device, and the system's resolved settings.
         environment = Config.from_env(**REPLAY_DEVICE_DEFAULTS).model_dump()
         self.device = build(Config, name, **{**environment, **self.device_options})
+        device = self.device.resolved()
+        device.pop("state_dir")  # every run gets a ledger of its own (see `start`)
         self.settings = {
             **settings(self.options, self.invoker_options),
             **self.options.model_dump(),
-            "device": self.device.resolved(),
+            "device": device,
         }
         self._make_invoker = make_invoker
         self._memory = memory
@@ -221,7 +223,12 @@ def _proxy_invoker(system: str) -> Callable[[Config, WorkflowOptions, dict[str, 
         from streambox.workflows.proxy_invoker import ProxyInvoker
 
         # The proxy loads its models at start for the shapes the requests will bring.
-        proxy_options = {"model_shapes": options.inputs, **_proxy_options(system, rest)}
+        # device_mode rides along until `proxy_config_for` copies it from the Config.
+        proxy_options = {
+            "model_shapes": options.inputs,
+            "device_mode": config.device_mode,
+            **_proxy_options(system, rest),
+        }
         return ProxyInvoker(
             config,
             system=system,

@@ -90,11 +90,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from streambox.workflows.proxy_invoker import ProxyInvoker
 
     inputs = inputs_from(args)
-    options = {"model_shapes": inputs, **proxy_options_from(args)}
+    config = _config(args)
+    # device_mode rides with the proxy options until `proxy_config_for` copies it from the Config.
+    options = {"model_shapes": inputs, "device_mode": config.device_mode, **proxy_options_from(args)}
     if args.system == "monolithic":
         from streambox.workflows.monolithic import MonolithicInvoker
 
-        proxy_only = sorted(set(options) - {"model_shapes"})
+        proxy_only = sorted(set(options) - {"model_shapes", "device_mode"})
         if proxy_only:
             raise ValueError(f"--system monolithic has no proxy; drop {', '.join(proxy_only)}")
         factory = MonolithicInvoker.factory(model_shapes=inputs)
@@ -105,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         system=args.system,
-        config=_config(args),
+        config=config,
         invoker_factory=factory,
         on_ready=lambda url: print(f"serving on {url} (Ctrl-C stops)", flush=True),
         small=inputs == "small",

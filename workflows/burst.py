@@ -595,7 +595,12 @@ def cmd_burst(args: argparse.Namespace) -> int:
             via=args.via,
             system=args.system,
             config=config,
-            proxy_options={"model_shapes": inputs, **proxy_options_from(args)},
+            # device_mode rides along until `proxy_config_for` copies it from the Config.
+            proxy_options={
+                "model_shapes": inputs,
+                "device_mode": config.device_mode,
+                **proxy_options_from(args),
+            },
         )
     except ProxyError as error:  # the proxy could not start: one line (its own log is above)
         print(f"streambox burst: error: the API proxy failed: {error}", file=sys.stderr)

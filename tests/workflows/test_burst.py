@@ -57,7 +57,7 @@ def test_cli_burst_through_the_gateway_reports_latency_cold_starts_and_memory(ti
     event.write_text(json.dumps({"scale": 2}))
     out = tmp_path / "report.json"
     argv = ["burst", str(tiny), "--requests", "3", "--concurrency", "2", "--input", str(event)]
-    assert main([*argv, "--params", "n=4", "--json", str(out)]) == 0
+    assert main([*argv, "--params", "n=4", "--pa", "off", "--bt", "off", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "requests ok / failed" in printed and "3 / 0" in printed and "pool reserved" in printed
 
@@ -74,6 +74,11 @@ def test_cli_burst_through_the_gateway_reports_latency_cold_starts_and_memory(ti
     assert memory["device_total_bytes"] > memory["device_used_bytes"] > 0
     assert memory["pool_reserved_bytes"] >= memory["pool_used_bytes"] >= 0  # the pool may be idle by now
     assert report["peak_memory"]["device_used_bytes"] >= memory["device_used_bytes"]
+    # The proxy's resolved tree: the switches given, the rest resolved, the device timed (burst's).
+    settings = report["settings"]
+    assert (settings["pa"], settings["bt"], settings["am"]) == (False, False, True)
+    assert settings["pool_mode"] == "fm+rs" and settings["io_label"] == "RZ+PB"
+    assert settings["inputs"] == "small" and settings["device"]["device_mode"] == "timed"
 
 
 def test_burst_straight_to_the_engine_with_stream_sync_completion(tiny):
