@@ -14,15 +14,23 @@ import platform
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field, ValidationInfo, field_validator
+
+from streambox.config import SettingsModel
+
 from .driver import drive
 from .metrics import summarize, write_json, write_requests, write_samples
 from .shaping import (
+    MAPPINGS,
+    PATTERNS,
+    SELECTIONS,
+    SPACINGS,
     Arrival,
     Chosen,
     build_arrivals,
@@ -42,35 +50,44 @@ def sample_trace() -> Path:
     return Path(str(resources.files("streambox.replay") / "data" / SAMPLE_NAME))
 
 
-@dataclass(frozen=True)
-class ReplayConfig:
-    """Every knob of a run; written whole to config.json."""
+class ReplayConfig(SettingsModel):
+    """Every knob of a run; written whole to config.json. Checked on construction: a mistake raises
+    `SettingsError` (a ValueError) naming the field, the value and what is allowed."""
 
     trace: str | None = None  # a trace file or folder; None = the shipped sample
-    workflows: tuple[str, ...] = ("traffic",)
+    workflows: tuple[str, ...] = Field(("traffic",), min_length=1)
     system: str = "streambox"
     out: str = "runs/replay"
-    minutes: int = 10  # trace minutes replayed, from start_minute
-    start_minute: int = 0
-    scale: float = 1.0  # rate scale: 0.1 keeps every 10th invocation (cumulative rounding)
-    minute_seconds: float = 60.0  # replay seconds per trace minute (60 = real time)
-    functions: int = 12  # how many functions to replay
+    minutes: int = Field(10, ge=1)  # trace minutes replayed, from start_minute
+    start_minute: int = Field(0, ge=0)
+    scale: float = Field(1.0, gt=0)  # rate scale: 0.1 keeps every 10th invocation (cumulative rounding)
+    minute_seconds: float = Field(60.0, gt=0)  # replay seconds per trace minute (60 = real time)
+    functions: int = Field(12, ge=1)  # how many functions to replay
     select: str = "volume"  # volume | random | stratified
     patterns: tuple[str, ...] = ()  # keep only these patterns (sporadic, periodic, bursty)
     include: tuple[str, ...] = ()  # functions to replay in any case
     mapping: str = "round-robin"  # round-robin | stripe | explicit
-    explicit_mapping: Mapping[str, str] = field(default_factory=dict)
+    explicit_mapping: dict[str, str] = Field(default_factory=dict)
     spacing: str = "poisson"  # poisson | even | trace (2021 timestamps)
     seed: int = 0
-    slo_ms: float = 200.0  # the paper's SLO for Traffic
-    max_requests: int | None = None
-    max_duration_s: float | None = None
-    request_timeout_s: float | None = None
-    drain_timeout_s: float = 60.0
-    sample_interval_s: float = 0.5
-    system_options: Mapping[str, str] = field(default_factory=dict)  # --set KEY=VALUE, to the system
+    slo_ms: float = Field(200.0, gt=0)  # the paper's SLO for Traffic
+    max_requests: int | None = Field(None, ge=1)
+    max_duration_s: float | None = Field(None, gt=0)
+    request_timeout_s: float | None = Field(None, gt=0)
+    drain_timeout_s: float = Field(60.0, ge=0)
+    sample_interval_s: float = Field(0.5, gt=0)
+    system_options: dict[str, Any] = Field(default_factory=dict)  # --set KEY=VALUE, to the system
     overwrite: bool = False
     progress: bool = True
+
+    @field_validator("select", "mapping", "spacing", "patterns")
+    @classmethod
+    def _known_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed = {"select": SELECTIONS, "mapping": MAPPINGS, "spacing": SPACINGS, "patterns": PATTERNS}
+        for item in value if isinstance(value, tuple) else (value,):
+            if item not in allowed[info.field_name]:
+                raise ValueError(f"is not one of {', '.join(allowed[info.field_name])}")
+        return value
 
     @property
     def label(self) -> str:
@@ -255,7 +272,7 @@ async def execute_async(config: ReplayConfig, target: Target | None = None) -> R
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").unlink(missing_ok=True)
     described = {
-        "config": asdict(config),
+        "config": config.model_dump(mode="json"),
         "label": config.label,
         "workload": _describe_workload(config, workload),
         "system_config": target.describe(),
@@ -295,11 +312,8 @@ def run_replay(
     explicit_mapping, spacing, seed, slo_ms, max_requests, max_duration_s, request_timeout_s,
     drain_timeout_s, sample_interval_s, system_options, overwrite, progress)."""
     workflows = tuple(w for w in (workflow.split(",") if isinstance(workflow, str) else workflow) if w)
-    for name in ("patterns", "include"):
-        if name in options and options[name] is not None:
-            options[name] = tuple(options[name])
-    config = replace(
-        ReplayConfig(),
+    options = {name: value for name, value in options.items() if value is not None}  # None: default
+    config = ReplayConfig(
         trace=str(trace) if trace is not None else None,
         workflows=workflows,
         system=system,
