@@ -7,8 +7,11 @@
   extends it; `daemon_config()` and `store_config()` build the library dataclasses that the IO
   daemon and the communication store take (`DaemonConfig`, `StoreConfig`), which stay plain so that
   their pure policies do not depend on pydantic.
+- `Tuning`: the libraries' other knobs in groups (`pool`, `store`, `memory`), each checked against
+  the library's own dataclass (`PoolConfig`, `StoreConfig`, `MemoryOptions`).
 - `RunOptions`: what a run of the three commands shares besides: input sizes, completion, channel.
-- `Settings`: the environment (`STREAMBOX_<FIELD>`, nested groups with `__`) over all of them.
+- `Settings`: the environment (`STREAMBOX_<FIELD>`, groups with the nested delimiter `__`:
+  `STREAMBOX_POOL__CHUNK_BYTES`) over all of them.
 
 One spelling everywhere: a field `pool_mode` is the flag `--pool-mode`, the replay option
 `--set pool_mode=fm` (or `pool-mode`, any case) and the variable `STREAMBOX_POOL_MODE`. Switches take
@@ -18,23 +21,25 @@ and what is allowed. This module imports neither torch nor any device library (t
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    ConfigDict,
-    Field,
-    TypeAdapter,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from streambox.settings_base import (
+    ENV_PREFIX,
+    SettingsError,
+    SettingsModel,
+    build,
+    check_keys,
+    env_factory,
+    env_group,
+    library_config,
+    option_name,
+    settings_error,
+    words,
+)
 
 if TYPE_CHECKING:
     from streambox.comm.config import StoreConfig
@@ -42,7 +47,6 @@ if TYPE_CHECKING:
     from streambox.io_daemon.config import DaemonConfig
     from streambox.memory_pool.modes import PoolMode
 
-ENV_PREFIX = "STREAMBOX_"
 BACKENDS = ("emulated", "cuda")  # as streambox.device.BACKENDS (a test keeps them equal)
 DEVICE_MODES = ("functional", "timed")
 SYSTEMS = ("streambox", "stream-only")
@@ -53,125 +57,12 @@ COMPLETIONS = ("poll", "sync")
 CHANNELS = ("shm", "zmq")  # as api_proxy.channel.CHANNELS (which imports zmq)
 #: The IO daemon's switches: meaningful only while the daemon is on.
 IO_SWITCHES = ("rz", "pb", "bt")
-SWITCH_WORDS = "on or off (true/false, yes/no, 1/0)"
-
-M = TypeVar("M", bound=BaseModel)
-D = TypeVar("D")
-
-
-class SettingsError(ValueError):
-    """Settings that do not validate; one line per mistake, each naming field, value and allowed."""
 
 
 def default_model_pool() -> Path:
     return Path.home() / ".cache" / "streambox" / "model_pool"
 
 
-def _allowed(error: Mapping[str, Any]) -> str:
-    """What a pydantic error says is allowed, in the words of the command line."""
-    kind, ctx = error["type"], error.get("ctx") or {}
-    if kind == "literal_error":
-        return "is not one of " + str(ctx.get("expected", "")).replace("'", "").replace(" or ", ", ")
-    if kind == "bool_parsing" or kind == "bool_type":
-        return f"is not {SWITCH_WORDS}"
-    if kind in ("int_parsing", "int_type", "int_from_float"):
-        return "is not an integer"
-    if kind in ("float_parsing", "float_type"):
-        return "is not a number"
-    if kind == "extra_forbidden":
-        return "is not a known setting"
-    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-    if kind in bounds:
-        limit = next(iter(ctx.values()), "")
-        return f"must be {bounds[kind]} {limit}"
-    return str(error["msg"]).removeprefix("Value error, ")
-
-
-def settings_error(error: ValidationError, *, where: str = "") -> SettingsError:
-    """A pydantic `ValidationError` as one line per mistake: `[where: ]field 'value' is not ...`."""
-    lines = []
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"])
-        value = item.get("input")
-        shown = f"{field} {value!r} " if field and item["type"] != "missing" else f"{field} " if field else ""
-        lines.append(f"{where + ': ' if where else ''}{shown}{_allowed(item)}")
-    return SettingsError("\n".join(lines))
-
-
-def build(model: type[M], where: str = "", **values: Any) -> M:
-    """`model(**values)`; a mistake raises `SettingsError` naming `where` (default: the model)."""
-    try:
-        return model(**values)
-    except SettingsError as error:
-        if not where:
-            raise
-        prefix = f"{model.__name__}: "
-        lines = (line.removeprefix(prefix) for line in str(error).splitlines())
-        raise SettingsError("\n".join(f"{where}: {line}" for line in lines)) from None
-
-
-def env_factory(*names: str, default: Any = None) -> Callable[[], Any]:
-    """A default factory: the first `STREAMBOX_<NAME>` set in the environment (validated like any
-    value), else `default`; so a switch set in the environment reaches every record built here."""
-
-    def factory() -> Any:
-        for name in names:
-            value = os.environ.get(f"{ENV_PREFIX}{name.upper()}")
-            if value is not None:
-                return value
-        return default
-
-    return factory
-
-
-def env_group(group: str) -> Callable[[], dict[str, str]]:
-    """A default factory: the `STREAMBOX_<GROUP>__<FIELD>` variables of the environment as a mapping."""
-
-    def factory() -> dict[str, str]:
-        prefix = f"{ENV_PREFIX}{group.upper()}__"
-        return {k[len(prefix) :].lower(): v for k, v in os.environ.items() if k.upper().startswith(prefix)}
-
-    return factory
-
-
-def library_config(
-    kind: type[D], values: Mapping[str, Any], group: str, reserved: Mapping[str, str] = {}
-) -> D:
-    """The library's own dataclass (`PoolConfig`, `StoreConfig`, ...) from a group of the tree, its
-    values validated and converted by pydantic against the dataclass's annotations; a mistake names
-    `group.field`, the value and what is allowed; `reserved` fields are set elsewhere (by a switch)."""
-    known = [f.name for f in dataclasses.fields(kind)]  # type: ignore[arg-type]
-    reserved = reserved or {}
-    for name in values:
-        if name in reserved:
-            raise SettingsError(f"{group}.{name}: set by {reserved[name]}, not in this group")
-        if name not in known:
-            allowed = ", ".join(n for n in known if n not in reserved)
-            raise SettingsError(f"{group}.{name} is not a setting of {kind.__name__}; known: {allowed}")
-    try:
-        return TypeAdapter(kind).validate_python(dict(values))
-    except ValidationError as error:
-        raise settings_error(error, where=group) from None
-
-
-def _words(value: Any) -> Any:
-    """Choices and switches ignore case and surrounding spaces."""
-    return value.strip().lower() if isinstance(value, str) else value
-
-
-class SettingsModel(BaseModel):
-    """A frozen node of the tree: unknown fields refused, mistakes raised as `SettingsError`."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
-
-    def __init__(self, **values: Any) -> None:
-        try:
-            super().__init__(**values)
-        except ValidationError as error:
-            raise settings_error(error, where=type(self).__name__) from None
-
-
-# ============================================================================================ device
 class DeviceFields(SettingsModel):
     backend: Literal["emulated", "cuda"] = Field("emulated", description="device backend")
     device_preset: str = Field(
@@ -187,7 +78,7 @@ class DeviceFields(SettingsModel):
     @field_validator("backend", "device_mode", "device_preset", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
-        return _words(value)
+        return words(value)
 
 
 class Config(DeviceFields):
@@ -260,27 +151,27 @@ class Mechanisms(SettingsModel):
     )
     io_daemon: bool | None = Field(
         default_factory=env_factory("io_daemon"),
-        description="on | off: the IO daemon, or FIFO copies straight to the copy engine",
+        description="the IO daemon, or FIFO copies straight to the copy engine",
     )
     rz: bool | None = Field(
         default_factory=env_factory("rz"),
-        description="on | off: the IO daemon's right-sized 2 MiB blocks (RZ; off: 16 KiB)",
+        description="the IO daemon's right-sized 2 MiB blocks (RZ; off: 16 KiB)",
     )
     pb: bool | None = Field(
         default_factory=env_factory("pb"),
-        description="on | off: one shared pinned buffer (PB; off: one per request)",
+        description="one shared pinned buffer (PB; off: one per request)",
     )
     bt: bool | None = Field(
         default_factory=env_factory("bt"),
-        description="on | off: batched transfer, 6 blocks a call, 2 batches in flight (BT)",
+        description="batched transfer, 6 blocks a call, 2 batches in flight (BT)",
     )
     pa: bool | None = Field(
         default_factory=env_factory("pa"),
-        description="on | off: the store sizes itself to predicted idle memory (PA)",
+        description="the store sizes itself to predicted idle memory (PA)",
     )
     am: bool | None = Field(
         default_factory=env_factory("am"),
-        description="on | off: data leaving a GPU goes to a neighbour GPU before host (AM)",
+        description="data leaving a GPU goes to a neighbour GPU before host (AM)",
     )
     weights_keep_alive_s: float | None = Field(
         default_factory=env_factory("weights_keep_alive_s"),
@@ -293,7 +184,7 @@ class Mechanisms(SettingsModel):
     )
     @classmethod
     def _lower(cls, value: Any) -> Any:
-        return _words(value)
+        return words(value)
 
     @model_validator(mode="after")
     def _io_switches_need_the_daemon(self) -> Mechanisms:
@@ -449,7 +340,7 @@ class RunOptions(SettingsModel):
     @field_validator("inputs", "completion", "channel", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
-        return _words(value)
+        return words(value)
 
     def proxy_fields(self) -> dict[str, Any]:
         """The `ProxyConfig` fields these options set (`model_shapes` follows `inputs`)."""
@@ -502,17 +393,6 @@ class Settings(BaseSettings, DeviceFields, Mechanisms, RunOptions, Tuning):
 def env_default(name: str) -> Any:
     """A run option's value from the environment (or the tree's default), e.g. `inputs`."""
     return getattr(build(RunOptions, "environment (STREAMBOX_*)"), name)
-
-
-def option_name(key: str) -> str:
-    """`Pool-Mode` -> `pool_mode`: keys of `--set` and of string options ignore case and take `-`."""
-    return str(key).strip().lower().replace("-", "_")
-
-
-def check_keys(given: Mapping[str, Any], known: tuple[str, ...], what: str) -> None:
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        raise SettingsError(f"unknown {what} {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
 
 
 __all__ = [
