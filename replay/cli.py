@@ -3,7 +3,8 @@
     from streambox.replay.cli import add_commands
     add_commands(commands)   # commands = parser.add_subparsers(...)
 
-Each sets `handler` (cmd_replay, cmd_report: args -> exit status), as the other subcommands do.
+Each sets `handler` (cmd_replay, or "streambox.replay.cli:cmd_report": args -> exit status), as the
+other subcommands do.
 `python -m streambox.replay {replay,report} ...` runs them on their own.
 
 Every field of the settings tree (`streambox.config`: the device, the mechanisms, the run options) is
@@ -94,15 +95,9 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=cmd_replay)
 
 
-def add_report_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `replay`")
-    p.add_argument("--out", help="where to write the plots (default: report/ beside the first run)")
-    p.set_defaults(handler=cmd_report)
-
-
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """`replay` and `report` on a subparsers action (as `python -m streambox.replay` builds them)."""
-    from streambox.cli import COMMANDS
+    from streambox.cli import COMMANDS  # the one place the subcommands' arguments are defined
 
     for name in ("replay", "report"):
         summary, description, add_arguments = COMMANDS[name]
@@ -158,11 +153,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from streambox.cli import resolve_handler
+
     parser = argparse.ArgumentParser(prog="python -m streambox.replay")
     add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
     args = parser.parse_args(argv)
     try:
-        return int(args.handler(args))
+        return int(resolve_handler(args)(args))
     except ValueError as error:  # SettingsError included
         print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
         return 2

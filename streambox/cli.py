@@ -219,9 +219,9 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:
-    from streambox.replay.cli import add_report_arguments
-
-    add_report_arguments(p)
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `replay`")
+    p.add_argument("--out", help="where to write the plots (default: report/ beside the first run)")
+    p.set_defaults(handler="streambox.replay.cli:cmd_report")
 
 
 #: Every subcommand: name -> (one-line help, description or None, what adds its arguments).
@@ -284,7 +284,7 @@ def _command_in(argv: Sequence[str]) -> list[str]:
     return [word] if word in COMMANDS else []
 
 
-def _handler(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
+def resolve_handler(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
     handler = args.handler
     if isinstance(handler, str):  # "module:function": imported only now that it runs
         module, _, name = handler.partition(":")
@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_command_in(argv)).parse_args(argv)
     try:
-        return int(_handler(args)(args))
+        return int(resolve_handler(args)(args))
     except Exception as error:
         # A DeviceError can only come from the device package once imported (it imports torch).
         device = sys.modules.get("streambox.device")
