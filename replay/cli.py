@@ -153,13 +153,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from streambox.cli import resolve_handler
+    from streambox.cli import command_handler
 
     parser = argparse.ArgumentParser(prog="python -m streambox.replay")
     add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
     args = parser.parse_args(argv)
     try:
-        return int(resolve_handler(args)(args))
+        return int(command_handler(args)(args))
     except ValueError as error:  # SettingsError included
         print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -284,7 +284,7 @@ def _command_in(argv: Sequence[str]) -> list[str]:
     return [word] if word in COMMANDS else []
 
 
-def resolve_handler(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
+def command_handler(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
     handler = args.handler
     if isinstance(handler, str):  # "module:function": imported only now that it runs
         module, _, name = handler.partition(":")
@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_command_in(argv)).parse_args(argv)
     try:
-        return int(resolve_handler(args)(args))
+        return int(command_handler(args)(args))
     except Exception as error:
         # A DeviceError can only come from the device package once imported (it imports torch).
         device = sys.modules.get("streambox.device")
