@@ -16,8 +16,10 @@ allowed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -168,7 +170,12 @@ class ProxyConfig(Mechanisms, Tuning):
         )
 
     def settings(self) -> dict[str, Any]:
-        """The resolved tree this proxy runs with (every default resolved): its `stats` `settings`."""
+        """The resolved tree this proxy runs with (every default resolved): its `stats` `settings`.
+        Resolved once (the environment included) and copied: every `stats` reply carries it."""
+        return copy.deepcopy(self._resolved_settings)
+
+    @cached_property
+    def _resolved_settings(self) -> dict[str, Any]:
         device = self.device_config()
         return {
             **self.resolved(),
