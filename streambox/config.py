@@ -342,11 +342,6 @@ class RunOptions(SettingsModel):
     def _lower(cls, value: Any) -> Any:
         return words(value)
 
-    def proxy_fields(self) -> dict[str, Any]:
-        """The `ProxyConfig` fields these options set (`model_shapes` follows `inputs`)."""
-        fields = {"model_shapes": self.inputs, "completion": self.completion, "channel": self.channel}
-        return {k: v for k, v in fields.items() if v is not None}
-
 
 RUN_FIELDS = tuple(RunOptions.model_fields)
 
@@ -379,15 +374,6 @@ class Settings(BaseSettings, DeviceFields, Mechanisms, RunOptions, Tuning):
         given = {name: getattr(self, name) for name in fields if name in self.model_fields_set}
         base = {name: getattr(self, name) for name in fields}
         return build(Config, "environment", **{**base, **defaults, **given})
-
-    def mechanisms(self) -> dict[str, Any]:
-        """The switches the environment sets (as `Mechanisms` fields)."""
-        return {
-            name: getattr(self, name) for name in Mechanisms.model_fields if name in self.model_fields_set
-        }
-
-    def run_options(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in RUN_FIELDS if name in self.model_fields_set}
 
 
 def env_default(name: str) -> Any:

@@ -49,7 +49,7 @@ def test_the_environment_sets_every_field_with_one_name(
     assert (config.gpus, config.device_preset, config.device_mode) == (4, "h100-80gb", "timed")
     assert config.model_pool == tmp_path
     settings = Settings.from_env()
-    assert settings.mechanisms() == {"pa": False} and settings.run_options() == {"inputs": "full"}
+    assert (settings.pa, settings.am, settings.inputs, settings.gpus) == (False, None, "full", 4)
     # A switch in the environment reaches every record built from the tree, the proxy's included.
     from streambox.api_proxy.proxy_config import ProxyConfig
 
