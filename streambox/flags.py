@@ -41,15 +41,13 @@ def flag_of(name: str) -> str:
 
 
 def _metavar(info: FieldInfo) -> str:
-    """`a|b|c` for a choice, `on|off` for a switch, else N / X."""
+    """`a|b|c` for a choice, `on|off` for a switch, else N / X (an optional field: its type's)."""
     annotation = info.annotation
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(inner) == 1:
+        annotation = inner[0]
     if typing.get_origin(annotation) is typing.Literal:
         return "|".join(map(str, typing.get_args(annotation)))
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
-        annotation = args[0]
-        if typing.get_origin(annotation) is typing.Literal:
-            return "|".join(map(str, typing.get_args(annotation)))
     if annotation is bool:
         return "on|off"
     return "N" if annotation is int else "X"
