@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo burst zoo test lint clean-venv
+.PHONY: demo burst zoo test lint gpu-check clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,14 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# For whoever has a real NVIDIA GPU (under 10 minutes): the gpu-marked tests, every zoo model's per-kernel
+# times written as calibration tables beside the plans (and as JSON under $OUT when set), their error
+# against the cost model, and a short Traffic replay on the CUDA backend. Without a GPU: one line, exit 0.
+gpu-check: $(STAMP)
+	if command -v nvidia-smi >/dev/null && ! $(VENV)/bin/python -c 'import cuda.bindings' 2>/dev/null; then \
+		$(VENV)/bin/pip install --quiet -e '.[cuda]'; fi
+	$(VENV)/bin/python -m streambox.gpu_check
 
 clean-venv:
 	rm -rf $(VENV)

@@ -35,6 +35,7 @@ from typing import Protocol
 import torch
 
 from streambox.device import Event, MemoryPool, Runtime, Stream
+from streambox.kernel_compiler.cost_model import launch_durations
 from streambox.kernel_compiler.ops import invoke_kernel
 from streambox.kernel_compiler.plan import Kernel, KernelPlan, VarSpec
 from streambox.memory_pool.mapping_table import HeldBuffer, MappingTable
@@ -405,6 +406,7 @@ class PlanExecutor:
         view_limit = 2 * len(layout.managed) + 64
         board = self.positions
         stats = RunStats()
+        durations = launch_durations(plan, runtime.properties().name)  # computed once per plan
         env: dict[str, torch.Tensor] = dict(model.weight_views)
         env.update((name, t.view(runtime)) for name, t in inputs.items())
         handles: dict[str, DeviceTensor] = {}  # allocated by this run
@@ -454,7 +456,10 @@ class PlanExecutor:
                         work = _kernel_call(runtime, kernel, env, prelude, views, view_limit)
                         prelude = []
                         blocks = _grid_blocks(variables[kernel.outputs[0]])
-                        runtime.launch(stream, work, blocks=blocks, cu_cap=cu_cap, name=kernel.name)
+                        runtime.launch(
+                            stream, work, blocks=blocks, cu_cap=cu_cap, name=kernel.name,
+                            duration_s=durations[index],
+                        )
                         stats.kernels += 1
                         if profile:
                             events.append(self._record(stream))

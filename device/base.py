@@ -257,11 +257,14 @@ class Runtime(abc.ABC):
         blocks: int = 1,
         cu_cap: int | None = None,
         name: str = "kernel",
+        duration_s: float | None = None,
     ) -> None:
         """Run `kernel` on `stream` after the work issued before it.
 
         `kernel` computes over tensor views of device memory (see `view`). `blocks` is the kernel's
         grid size; it occupies min(blocks, cu_cap, compute_units) compute units while it runs.
+        `duration_s` is the kernel's modelled (or GPU-measured) time at full occupancy; the timed
+        mode of the emulated device runs it for that long, every other backend and mode ignores it.
         """
 
     @abc.abstractmethod

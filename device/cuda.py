@@ -950,6 +950,7 @@ class CudaRuntime(Runtime):
         blocks: int = 1,
         cu_cap: int | None = None,
         name: str = "kernel",
+        duration_s: float | None = None,
     ) -> None:
         """Run `kernel` with torch's current device and stream set to ours, so its ops enqueue there.
 

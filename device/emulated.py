@@ -372,6 +372,7 @@ class EmulatedRuntime(Runtime):
         blocks: int = 1,
         cu_cap: int | None = None,
         name: str = "kernel",
+        duration_s: float | None = None,
     ) -> None:
         self._check_open()
         s = self.own_stream(stream)

@@ -5,7 +5,8 @@ walk the graph in order. Placeholders become input/weight variables; each op nod
 a *view* kernel when the op's schema says its output aliases an input (``Tensor(a)`` return), otherwise
 a *compute* kernel calling the op's ``.out`` overload (found by schema, since overload names vary:
 ``add.Tensor`` -> ``add.out``, ``add.Scalar`` -> ``add.Scalar_out``, ...), or a fallback kernel where no
-``.out`` overload exists. ``getitem`` nodes only name the outputs of multi-output ops.
+``.out`` overload exists. ``getitem`` nodes only name the outputs of multi-output ops. Last, every
+kernel gets its cost (FLOPs, bytes, op class: ``cost_model``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from . import argcodec
+from . import argcodec, cost_model
 from .plan import SCHEMA_VERSION, Kernel, KernelPlan, VarSpec
 from .zoo import build_model, example_input, get_entry
 
@@ -292,7 +293,7 @@ def lower_program(
         meta={"torch": torch.__version__, "schema_version": SCHEMA_VERSION},
     )
     plan._weights = b.weights
-    return plan
+    return cost_model.annotate_costs(plan)
 
 
 def lower_module(module: nn.Module, example: torch.Tensor, model: str) -> KernelPlan:

@@ -6,8 +6,13 @@ which alias another variable and allocate nothing. The executor (``api_proxy``) 
 allocates each storage variable from the pool, calls ``ops.invoke_kernel`` per kernel, and recycles an
 intermediate once the kernels that touched it reach ``expected_accesses``.
 
+Every kernel carries its cost (``cost_model``: op class, FLOPs, bytes read and written), filled in
+at lowering; ``kernel_seconds(preset)`` turns the costs into per-kernel seconds on a GPU preset, or
+returns the seconds measured on that GPU where a calibration table lies beside the plan.
+
 On disk (``KernelPlan.save``): ``plan.json`` (everything but the weights) and ``weights.safetensors``
-(the weight variables by name, contiguous).
+(the weight variables by name, contiguous). Schema 1 plans (saved before kernels had costs) still
+load: their costs are recomputed from the plan's own variables on load.
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from . import cost_model
 from .argcodec import dtype_from_name
+from .calibration import read_calibration
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Older schemas that load by recomputing what they lack (1: no kernel costs).
+_UPGRADABLE = {1}
 PLAN_FILE = "plan.json"
 WEIGHTS_FILE = "weights.safetensors"
 
@@ -78,7 +87,8 @@ class Kernel:
     ``outputs``), the functional op for view kernels and for fallbacks (``fallback=True``: the op has no
     ``.out`` overload, so its result is copied into the outputs). ``args``/``kwargs`` are encoded by
     ``argcodec``. ``accesses`` are the storage variables this kernel touches, directly or through views;
-    each counts one access of each.
+    each counts one access of each. ``op_class``, ``flops``, ``bytes_read`` and ``bytes_written`` are
+    its cost (``cost_model.kernel_cost``).
     """
 
     name: str
@@ -91,6 +101,10 @@ class Kernel:
     fallback: bool = False
     source_op: str = ""
     accesses: list[str] = field(default_factory=list)
+    op_class: str = ""
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
     # Filled in lazily by ops.invoke_kernel: the resolved overload and decoded arguments.
     _prepared: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -106,6 +120,10 @@ class Kernel:
             "fallback": self.fallback,
             "source_op": self.source_op,
             "accesses": self.accesses,
+            "op_class": self.op_class,
+            "flops": self.flops,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
         }
 
 
@@ -126,6 +144,8 @@ class KernelPlan:
     # Weights stay in memory after lowering; a loaded plan reads them from its directory on demand.
     _weights: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     _dir: Path | None = field(default=None, repr=False, compare=False)
+    # kernel_seconds per preset, computed once per plan object (the executor asks on every run).
+    _seconds: dict[str, list[float]] = field(default_factory=dict, repr=False, compare=False)
 
     # --- queries ---
 
@@ -148,6 +168,27 @@ class KernelPlan:
     @property
     def weight_names(self) -> list[str]:
         return [v.name for v in self.vars_of_kind("weight")]
+
+    # --- costs ---
+
+    def kernel_seconds(self, preset: str) -> list[float]:
+        """Seconds of each kernel on the GPU preset `preset` (``v100-16gb``, ``h100-80gb``, ...): the
+        times measured on that GPU where a calibration table for it lies beside the plan, else the
+        cost model's. View kernels take 0. Computed once per plan object and preset."""
+        seconds = self._seconds.get(preset)
+        if seconds is None:
+            cost_model.get_preset(preset)  # an unknown preset fails even where a table exists
+            table = read_calibration(self, preset)
+            if table is not None:
+                seconds = list(table.seconds)
+            else:
+                seconds = cost_model.modelled_seconds(map(cost_model.cost_of, self.kernels), preset)
+            self._seconds[preset] = seconds
+        return list(seconds)
+
+    @property
+    def total_flops(self) -> int:
+        return sum(k.flops for k in self.kernels)
 
     # --- weights ---
 
@@ -179,11 +220,13 @@ class KernelPlan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KernelPlan:
-        if d.get("schema_version") != SCHEMA_VERSION:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION and version not in _UPGRADABLE:
             raise ValueError(
-                f"plan schema version {d.get('schema_version')!r} is not {SCHEMA_VERSION}; lower again"
+                f"plan schema version {version!r} is not {SCHEMA_VERSION} (loadable: "
+                f"{sorted({SCHEMA_VERSION, *_UPGRADABLE})}); lower again"
             )
-        return cls(
+        plan = cls(
             model=d["model"],
             batch=d["batch"],
             input_shape=list(d["input_shape"]),
@@ -194,6 +237,9 @@ class KernelPlan:
             outputs=list(d["outputs"]),
             meta=dict(d.get("meta", {})),
         )
+        if version == 1:  # saved before kernels had costs: compute them from the plan itself
+            cost_model.annotate_costs(plan)
+        return plan
 
     def save(self, directory: Path | str) -> Path:
         """Write ``plan.json`` and ``weights.safetensors`` into ``directory`` (created if missing)."""

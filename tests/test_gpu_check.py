@@ -1,0 +1,23 @@
+"""`make gpu-check` on a machine without a GPU: one line, exit 0 (the GPU path runs where one is lent)."""
+
+from __future__ import annotations
+
+import pytest
+
+from streambox import gpu_check
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(capsys) -> None:
+    backend, _ = gpu_check._open_gpu()
+    if backend is not None:
+        pytest.skip("a GPU is present: `make gpu-check` runs the whole check")
+    assert gpu_check.main([]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: no GPU here (") and len(lines[0]) < 200
+
+
+def test_unknown_models_are_refused_with_the_known_ones(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--models", "resnet50,lenet"])
+    assert exit_info.value.code == 2
+    assert "unknown models ['lenet']; known: ssdlite320_mobilenet_v3, resnet18" in capsys.readouterr().err
