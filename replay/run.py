@@ -39,7 +39,7 @@ from .shaping import (
     scale_counts,
     stable_seed,
 )
-from .target import FunctionProfile, SystemRequest, Target, known_systems, resolve_system
+from .target import FunctionProfile, SystemRequest, Target, resolve_system
 from .traces import Trace, load_trace
 
 SAMPLE_NAME = "azure2019-sample"
@@ -339,8 +339,11 @@ def run_comparison(
     if not systems:
         raise ValueError("no system to compare")
     if options.get("target") is None:
-        for system in systems:  # fail before the first run, not after it
-            if system not in known_systems():
-                resolve_system(system)
+        # Fail before the first run, not after it: an unknown system, or options one of them refuses
+        # (e.g. `rz=off` where stream-only has no IO daemon).
+        given = dict(options.get("system_options") or {})
+        minute_seconds = float(options.get("minute_seconds") or ReplayConfig().minute_seconds)
+        for system in systems:
+            resolve_system(system, SystemRequest(system, (), options=given, time_scale=minute_seconds / 60))
     results = [run_replay(trace, system=system, out=Path(out) / system, **options) for system in systems]
     return results, report([r.run_dir for r in results], Path(out) / "report")

@@ -42,3 +42,12 @@ def test_flags_and_set_are_one_mapping_of_the_trees_names() -> None:
     with pytest.raises(ValueError, match="--am off and --set am=on disagree"):
         system_options(parser.parse_args(["replay", "--am", "off", "--set", "am=on"]))
     assert ReplayConfig(system_options={"pa": "off"}).label == "streambox[pa=off]"
+
+
+def test_a_comparison_refuses_options_before_its_first_run(tmp_path) -> None:
+    """`rz=off` suits streambox but not stream-only (no IO daemon): nothing runs, nothing is written."""
+    from streambox.replay.run import run_comparison
+
+    with pytest.raises(ValueError, match="stream-only: rz: switches of the IO daemon"):
+        run_comparison(["streambox", "stream-only"], out=tmp_path, system_options={"rz": "off"})
+    assert not any(tmp_path.iterdir())
