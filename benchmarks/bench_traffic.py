@@ -9,9 +9,9 @@ burst's default sizes, so every function instance the workflow allows is started
 concurrency level sends the same number of requests with at most that many outstanding; the two
 modes alternate which goes first from level to level. Latency is the client's, HTTP included.
 
-The models are the workflow's own (SSDlite320, ResNet-50, VGG-16) at `burst.DEMO_PARAMS` sizes
-(128 px detection, 64 px crops, at most 2 people + 2 vehicles per request); `--full-size` uses the
-YAML's sizes. `--quick`: 16 requests per level (a few minutes on 2 loaded cores).
+The models are the workflow's own (SSDlite320, ResNet-50, VGG-16) at the small input sizes
+(`examples.SMALL_PARAMS`: 64 px detection, 32 px crops, at most 2 people + 2 vehicles per request);
+`--full-size` uses the YAML's sizes. `--quick`: 16 requests per level (a few minutes on 2 loaded cores).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main() -> int:
     p.add_argument("--full-size", action="store_true", help="the YAML's input sizes (slow on a CPU)")
     args = p.parse_args()
     requests = args.requests or (16 if args.quick else 48)
-    spec, _ = prepare("traffic", requests=1, full_size=args.full_size)
+    spec, _ = prepare("traffic", requests=1, inputs="full" if args.full_size else "small")
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f}; {requests} requests per level")
     with tempfile.TemporaryDirectory(prefix="sbx-bench-traffic-") as state:

@@ -7,38 +7,72 @@ run directory (`metrics`), comparison plots and table (`report`), the systems' r
 
 from __future__ import annotations
 
-from .driver import DriveResult, RequestRecord, drive
-from .run import (
-    ReplayConfig,
-    RunResult,
-    build_workload,
-    execute,
-    execute_async,
-    run_comparison,
-    run_replay,
-    sample_trace,
-)
-from .shaping import (
-    Arrival,
-    Pattern,
-    PatternRules,
-    build_arrivals,
-    choose_functions,
-    classify,
-    map_to_workflows,
-    minute_arrivals,
-    scale_counts,
-)
-from .target import (
-    Outcome,
-    SystemRequest,
-    Target,
-    UnknownSystem,
-    known_systems,
-    register_system,
-    resolve_system,
-)
-from .traces import FunctionKey, FunctionSeries, Trace, TraceFormatError, load_trace
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .driver import DriveResult, RequestRecord, drive
+    from .run import (
+        ReplayConfig,
+        RunResult,
+        build_workload,
+        execute,
+        execute_async,
+        run_comparison,
+        run_replay,
+        sample_trace,
+    )
+    from .shaping import (
+        Arrival,
+        Pattern,
+        PatternRules,
+        build_arrivals,
+        choose_functions,
+        classify,
+        map_to_workflows,
+        minute_arrivals,
+        scale_counts,
+    )
+    from .target import (
+        Outcome,
+        SystemRequest,
+        Target,
+        UnknownSystem,
+        known_systems,
+        register_system,
+        resolve_system,
+    )
+    from .traces import FunctionKey, FunctionSeries, Trace, TraceFormatError, load_trace
+
+#: Where each name lives: imported at first use, so that `streambox replay --help` (which imports
+#: `replay.cli`) loads no more than the parser needs.
+_EXPORTS = {
+    **dict.fromkeys(("DriveResult", "RequestRecord", "drive"), "driver"),
+    **dict.fromkeys(
+        ("ReplayConfig", "RunResult", "build_workload", "execute", "execute_async", "run_comparison",
+         "run_replay", "sample_trace"),
+        "run",
+    ),
+    **dict.fromkeys(
+        ("Arrival", "Pattern", "PatternRules", "build_arrivals", "choose_functions", "classify",
+         "map_to_workflows", "minute_arrivals", "scale_counts"),
+        "shaping",
+    ),
+    **dict.fromkeys(
+        ("Outcome", "SystemRequest", "Target", "UnknownSystem", "known_systems", "register_system",
+         "resolve_system"),
+        "target",
+    ),
+    **dict.fromkeys(("FunctionKey", "FunctionSeries", "Trace", "TraceFormatError", "load_trace"), "traces"),
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
 
 __all__ = [
     "Arrival",

@@ -3,8 +3,13 @@
     from streambox.replay.cli import add_commands
     add_commands(commands)   # commands = parser.add_subparsers(...)
 
-Each sets `handler` (cmd_replay, cmd_report: args -> exit status), as the other subcommands do.
+Each sets `handler` (cmd_replay, or "streambox.replay.cli:cmd_report": args -> exit status), as the
+other subcommands do.
 `python -m streambox.replay {replay,report} ...` runs them on their own.
+
+Every field of the settings tree (`streambox.config`: the device, the mechanisms, the run options) is
+both a flag (`--pa off`) and a system option (`--set pa=off`), with the same names as `serve` and
+`burst`; a flag and a `--set` of the same key must agree.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from streambox.device.modes import DEVICE_MODES, describe_device_mode, env_device_mode
+from streambox.config import option_name
+from streambox.flags import DEVICE, MECHANISMS, RUN, add_setting_flags, flag_of, given_settings
 
 from .shaping import MAPPINGS, PATTERNS, SELECTIONS, SPACINGS
 from .target import PLANNED_SYSTEMS, known_systems
@@ -34,14 +40,17 @@ def _csv(values: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(part.strip() for value in values or () for part in value.split(",") if part.strip())
 
 
-def add_replay_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def system_options(args: argparse.Namespace) -> dict[str, str]:
+    """`--set KEY=VALUE` items and the settings flags given, as one mapping of the tree's names."""
+    options = {option_name(key): value for key, value in _pairs(args.set, "--set").items()}
+    for name, value in given_settings(args, RUN, MECHANISMS, DEVICE).items():
+        if options.setdefault(name, value) != value:
+            raise ValueError(f"{flag_of(name)} {value} and --set {name}={options[name]} disagree")
+    return options
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     systems = ", ".join(sorted(set(known_systems()) | set(PLANNED_SYSTEMS)))
-    p = commands.add_parser(
-        "replay",
-        help="replay an Azure Functions trace against a system, open loop, into a run directory",
-        description="Replay Azure Functions invocations against a workflow on a system and record every "
-        "request and the system's memory. Without --trace, the shipped sample (real 2019 rows) is used.",
-    )
     p.add_argument(
         "--trace", help="trace file or folder (2019 invocations [+ durations, memory], or a 2021 log)"
     )
@@ -53,7 +62,13 @@ def add_replay_parser(commands: argparse._SubParsersAction) -> argparse.Argument
         help=f"system under test: {systems} (default streambox); several, comma-separated, replay the same "
         "workload on each into --out/<system> and report them side by side in --out/report",
     )
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a system option (ablation flag ...)")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a system option: any flag below by its name (pa=off, pool_mode=fm, device_mode=functional), "
+        "or inputs, keep_alive_s, variants, prewarm (docs/replay.md)",
+    )
     p.add_argument("--minutes", type=int, default=10, help="trace minutes to replay (default 10)")
     p.add_argument("--start-minute", type=int, default=0, help="first trace minute (default 0)")
     p.add_argument("--scale", type=float, default=1.0, help="rate scale: 0.1 keeps every 10th invocation")
@@ -68,11 +83,6 @@ def add_replay_parser(commands: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--spacing", choices=SPACINGS, default="poisson", help="arrivals inside a minute")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ms", type=float, default=200.0, help="latency SLO (default 200 ms, the paper's)")
-    p.add_argument(
-        "--device-mode", choices=DEVICE_MODES,
-        help="emulated device: timed (default: GPU time, phantom data) or functional (kernels run on the "
-        "CPU) [STREAMBOX_DEVICE_MODE]",
-    )
     p.add_argument("--max-requests", type=int, help="send at most this many requests")
     p.add_argument("--max-duration", type=float, help="send no request after this many seconds")
     p.add_argument("--request-timeout", type=float, help="a request without outcome after this is a timeout")
@@ -81,38 +91,29 @@ def add_replay_parser(commands: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--out", help="run directory (default runs/<system>)")
     p.add_argument("--overwrite", action="store_true", help="replace a finished run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_setting_flags(p, RUN, MECHANISMS, DEVICE)
     p.set_defaults(handler=cmd_replay)
-    return p
-
-
-def add_report_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = commands.add_parser(
-        "report",
-        help="comparison plots (PNG) and table of replay runs",
-        description="Draw memory over time, mean memory, throughput, latency CDF and SLO violations of "
-        "replay runs, and print their comparison table.",
-    )
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `replay`")
-    p.add_argument("--out", help="where to write the plots (default: report/ beside the first run)")
-    p.set_defaults(handler=cmd_report)
-    return p
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    add_replay_parser(commands)
-    add_report_parser(commands)
+    """`replay` and `report` on a subparsers action (as `python -m streambox.replay` builds them)."""
+    from streambox.cli import COMMANDS  # the one place the subcommands' arguments are defined
+
+    for name in ("replay", "report"):
+        summary, description, add_arguments = COMMANDS[name]
+        add_arguments(commands.add_parser(name, help=summary, description=description))
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """One system: a run directory in --out. Several (--system a,b,c): one run each in --out/<system>,
     then the comparison plots and table in --out/report."""
+    from streambox.device.modes import describe_device_mode
+
     from .report import print_run
     from .run import run_comparison, run_replay
 
     systems = _csv([args.system])
     explicit = _pairs(args.map, "--map")
-    device_mode = args.device_mode or env_device_mode(default="timed")  # a replay is about time
-    print(describe_device_mode(device_mode), flush=True)
     options = dict(
         workflow=args.workflow,
         minutes=args.minutes,
@@ -128,16 +129,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
         spacing=args.spacing,
         seed=args.seed,
         slo_ms=args.slo_ms,
-        device_mode=device_mode,
         max_requests=args.max_requests,
         max_duration_s=args.max_duration,
         request_timeout_s=args.request_timeout,
         drain_timeout_s=args.drain_timeout,
         sample_interval_s=args.sample_interval,
-        system_options=_pairs(args.set, "--set"),
+        system_options=system_options(args),
         overwrite=args.overwrite,
         progress=not args.no_progress,
     )
+    from streambox.config import Config
+
+    mode = options["system_options"].get("device_mode") or Config.from_env(device_mode="timed").device_mode
+    print(describe_device_mode(str(mode)), flush=True)
     if len(systems) > 1:
         run_comparison(systems, out=args.out or "runs/compare", trace=args.trace, **options)
         return 0
@@ -155,12 +159,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from streambox.cli import command_handler
+
     parser = argparse.ArgumentParser(prog="python -m streambox.replay")
     add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
     args = parser.parse_args(argv)
     try:
-        return int(args.handler(args))
-    except ValueError as error:
+        return int(command_handler(args)(args))
+    except ValueError as error:  # SettingsError included
         print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -14,17 +14,24 @@ import platform
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from streambox.device.modes import device_mode_env, env_device_mode
+from pydantic import Field, ValidationInfo, field_validator
+
+from streambox.config import Config, SettingsModel
+from streambox.device.modes import device_mode_env
 
 from .driver import drive
 from .metrics import summarize, write_json, write_requests, write_samples
 from .shaping import (
+    MAPPINGS,
+    PATTERNS,
+    SELECTIONS,
+    SPACINGS,
     Arrival,
     Chosen,
     build_arrivals,
@@ -33,7 +40,7 @@ from .shaping import (
     scale_counts,
     stable_seed,
 )
-from .target import FunctionProfile, SystemRequest, Target, known_systems, resolve_system
+from .target import FunctionProfile, SystemRequest, Target, resolve_system
 from .traces import Trace, load_trace
 
 SAMPLE_NAME = "azure2019-sample"
@@ -44,36 +51,44 @@ def sample_trace() -> Path:
     return Path(str(resources.files("streambox.replay") / "data" / SAMPLE_NAME))
 
 
-@dataclass(frozen=True)
-class ReplayConfig:
-    """Every knob of a run; written whole to config.json."""
+class ReplayConfig(SettingsModel):
+    """Every knob of a run; written whole to config.json. Checked on construction: a mistake raises
+    `SettingsError` (a ValueError) naming the field, the value and what is allowed."""
 
     trace: str | None = None  # a trace file or folder; None = the shipped sample
-    workflows: tuple[str, ...] = ("traffic",)
+    workflows: tuple[str, ...] = Field(("traffic",), min_length=1)
     system: str = "streambox"
     out: str = "runs/replay"
-    minutes: int = 10  # trace minutes replayed, from start_minute
-    start_minute: int = 0
-    scale: float = 1.0  # rate scale: 0.1 keeps every 10th invocation (cumulative rounding)
-    minute_seconds: float = 60.0  # replay seconds per trace minute (60 = real time)
-    functions: int = 12  # how many functions to replay
+    minutes: int = Field(10, ge=1)  # trace minutes replayed, from start_minute
+    start_minute: int = Field(0, ge=0)
+    scale: float = Field(1.0, gt=0)  # rate scale: 0.1 keeps every 10th invocation (cumulative rounding)
+    minute_seconds: float = Field(60.0, gt=0)  # replay seconds per trace minute (60 = real time)
+    functions: int = Field(12, ge=1)  # how many functions to replay
     select: str = "volume"  # volume | random | stratified
     patterns: tuple[str, ...] = ()  # keep only these patterns (sporadic, periodic, bursty)
     include: tuple[str, ...] = ()  # functions to replay in any case
     mapping: str = "round-robin"  # round-robin | stripe | explicit
-    explicit_mapping: Mapping[str, str] = field(default_factory=dict)
+    explicit_mapping: dict[str, str] = Field(default_factory=dict)
     spacing: str = "poisson"  # poisson | even | trace (2021 timestamps)
     seed: int = 0
-    slo_ms: float = 200.0  # the paper's SLO for Traffic (meaningful in timed mode: GPU-like times)
-    device_mode: str | None = None  # functional | timed; None: $STREAMBOX_DEVICE_MODE, else functional
-    max_requests: int | None = None
-    max_duration_s: float | None = None
-    request_timeout_s: float | None = None
-    drain_timeout_s: float = 60.0
-    sample_interval_s: float = 0.5
-    system_options: Mapping[str, str] = field(default_factory=dict)  # --set KEY=VALUE, to the system
+    slo_ms: float = Field(200.0, gt=0)  # the paper's SLO for Traffic
+    max_requests: int | None = Field(None, ge=1)
+    max_duration_s: float | None = Field(None, gt=0)
+    request_timeout_s: float | None = Field(None, gt=0)
+    drain_timeout_s: float = Field(60.0, ge=0)
+    sample_interval_s: float = Field(0.5, gt=0)
+    system_options: dict[str, Any] = Field(default_factory=dict)  # --set KEY=VALUE, to the system
     overwrite: bool = False
     progress: bool = True
+
+    @field_validator("select", "mapping", "spacing", "patterns")
+    @classmethod
+    def _known_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed = {"select": SELECTIONS, "mapping": MAPPINGS, "spacing": SPACINGS, "patterns": PATTERNS}
+        for item in value if isinstance(value, tuple) else (value,):
+            if item not in allowed[info.field_name]:
+                raise ValueError(f"is not one of {', '.join(allowed[info.field_name])}")
+        return value
 
     @property
     def label(self) -> str:
@@ -244,12 +259,18 @@ def execute(config: ReplayConfig, target: Target | None = None) -> RunResult:
 
 
 async def execute_async(config: ReplayConfig, target: Target | None = None) -> RunResult:
-    """`execute` for callers that already run an event loop. The run's device mode is exported to
-    the environment while it runs, so that every process the system starts follows it."""
-    config = replace(config, device_mode=config.device_mode or env_device_mode())
-    assert config.device_mode is not None
-    with device_mode_env(config.device_mode):
+    """`execute` for callers that already run an event loop. The run's device mode is exported to the
+    environment while it runs, so that every process the system starts follows it."""
+    with device_mode_env(replay_device_mode(config)):
         return await _execute(config, target)
+
+
+def replay_device_mode(config: ReplayConfig) -> str:
+    """The run's device mode: its `device_mode` option, else the environment's, else timed."""
+    from .systems import REPLAY_DEVICE_DEFAULTS  # systems registers targets, which import this module
+
+    given = config.system_options.get("device_mode")
+    return str(given) if given else Config.from_env(**REPLAY_DEVICE_DEFAULTS).device_mode
 
 
 async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
@@ -266,9 +287,9 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").unlink(missing_ok=True)
     described = {
-        "config": asdict(config),
+        "config": config.model_dump(mode="json"),
         "label": config.label,
-        "device_mode": config.device_mode,
+        "device_mode": replay_device_mode(config),
         "workload": _describe_workload(config, workload),
         "system_config": target.describe(),
         "versions": _versions(),
@@ -304,14 +325,11 @@ def run_replay(
     """Replay `minutes` of `trace` (None: the shipped sample) at `scale` times its rate against `system`
     on `workflow` (a name, "a,b", or a list), writing the run directory `out`. Other keyword options are
     ReplayConfig's fields (start_minute, minute_seconds, functions, select, patterns, include, mapping,
-    explicit_mapping, spacing, seed, slo_ms, device_mode, max_requests, max_duration_s, request_timeout_s,
+    explicit_mapping, spacing, seed, slo_ms, max_requests, max_duration_s, request_timeout_s,
     drain_timeout_s, sample_interval_s, system_options, overwrite, progress)."""
     workflows = tuple(w for w in (workflow.split(",") if isinstance(workflow, str) else workflow) if w)
-    for name in ("patterns", "include"):
-        if name in options and options[name] is not None:
-            options[name] = tuple(options[name])
-    config = replace(
-        ReplayConfig(),
+    options = {name: value for name, value in options.items() if value is not None}  # None: default
+    config = ReplayConfig(
         trace=str(trace) if trace is not None else None,
         workflows=workflows,
         system=system,
@@ -337,8 +355,11 @@ def run_comparison(
     if not systems:
         raise ValueError("no system to compare")
     if options.get("target") is None:
-        for system in systems:  # fail before the first run, not after it
-            if system not in known_systems():
-                resolve_system(system)
+        # Fail before the first run, not after it: an unknown system, or options one of them refuses
+        # (e.g. `rz=off` where stream-only has no IO daemon).
+        given = dict(options.get("system_options") or {})
+        minute_seconds = float(options.get("minute_seconds") or ReplayConfig().minute_seconds)
+        for system in systems:
+            resolve_system(system, SystemRequest(system, (), options=given, time_scale=minute_seconds / 60))
     results = [run_replay(trace, system=system, out=Path(out) / system, **options) for system in systems]
     return results, report([r.run_dir for r in results], Path(out) / "report")

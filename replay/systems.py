@@ -18,14 +18,17 @@ Memory is read where nvidia-smi would read it: every run gets an emulated device
 contexts. Components (contexts, weights, other allocated data, cached pool bytes) come from what the
 proxies or instances report.
 
-Options (`--set KEY=VALUE`), common to the three:
+Options (`--set KEY=VALUE`, or the same names as flags: `--pa off`), common to the three:
   `inputs`       small | full: the zoo's small input shapes (default; what 2 CPU cores can replay in
                  minutes) or the YAML's realistic sizes. Weights are full size either way.
   `keep_alive_s` how long an idle instance stays warm. Default: the paper's 10 minutes in trace time,
                  i.e. 600 s times the replay's time compression (`--minute-seconds` / 60).
   `variants`     how many different synthetic inputs are cycled through (default 4).
-Proxy systems also take the proxy's ablation switches (`pool_mode`, `io_daemon`, ...: see
-docs/api_proxy.md); `monolithic` takes `prewarm` (instances per function started before the run).
+  the device     `backend`, `device_preset`, `gpus`, `device_mode` (default `timed` here).
+Proxy systems also take the mechanisms (`pool_mode`, `io_daemon`, `rz`, `pb`, `bt`, `pa`, `am`,
+`recycler`, `weights_keep_alive_s`) and `completion`, `channel` (docs/api_proxy.md); `monolithic`
+takes `prewarm` (instances per function started before the run). config.json's `system_config`
+holds the resolved `settings` of the run.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ import asyncio
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from streambox.config import Config
+from pydantic import Field
+
+from streambox.config import DEVICE_FIELDS, Config, SettingsModel, build, env_default, option_name
 from streambox.workflows.engine import Engine
 from streambox.workflows.invoker import Invoker
 from streambox.workflows.spec import WorkflowSpec
@@ -48,34 +52,27 @@ from .target import Outcome, SystemRequest
 #: The paper's keep-alive (10 minutes of trace time).
 PAPER_KEEP_ALIVE_S = 600.0
 COMMON_OPTIONS = ("inputs", "keep_alive_s", "variants")
-INPUTS = ("small", "full")
+#: The device a replay runs on unless told otherwise: timed, so that GPU time is modelled.
+REPLAY_DEVICE_DEFAULTS = {"device_mode": "timed"}
 
 
-@dataclass(frozen=True)
-class WorkflowOptions:
+class WorkflowOptions(SettingsModel):
     """What every workflow-running system takes from `--set`; the rest goes to the invoker."""
 
-    inputs: str = "small"
-    keep_alive_s: float = PAPER_KEEP_ALIVE_S
-    variants: int = 4
+    inputs: Literal["small", "full"] = Field(default_factory=lambda: env_default("inputs"))
+    keep_alive_s: float = Field(PAPER_KEEP_ALIVE_S, ge=0)
+    variants: int = Field(4, ge=1)
 
     @classmethod
     def split(
         cls, system: str, options: Mapping[str, str], time_scale: float
-    ) -> tuple[WorkflowOptions, dict[str, str]]:
-        """(common options, the invoker's own options), with errors that name the key."""
-        rest = {k: v for k, v in options.items() if k not in COMMON_OPTIONS}
-        inputs = options.get("inputs", "small")
-        if inputs not in INPUTS:
-            raise ValueError(f"{system}: --set inputs={inputs!r} is not one of {', '.join(INPUTS)}")
-        try:
-            keep_alive = float(options.get("keep_alive_s", PAPER_KEEP_ALIVE_S * time_scale))
-            variants = int(options.get("variants", 4))
-        except ValueError as error:
-            raise ValueError(f"{system}: keep_alive_s is a number of seconds, variants an integer: {error}")
-        if keep_alive < 0 or variants < 1:
-            raise ValueError(f"{system}: keep_alive_s must be >= 0 and variants >= 1")
-        return cls(inputs, keep_alive, variants), rest
+    ) -> tuple[WorkflowOptions, dict[str, str], dict[str, str]]:
+        """(common options, device fields, the invoker's own options); errors name the key."""
+        given = {option_name(k): v for k, v in options.items()}
+        common = {k: given.pop(k) for k in COMMON_OPTIONS if k in given}
+        device = {k: given.pop(k) for k in DEVICE_FIELDS if k in given}
+        common.setdefault("keep_alive_s", PAPER_KEEP_ALIVE_S * time_scale)
+        return build(cls, system, **common), device, given
 
 
 def load_workflow(name: str, small: bool) -> tuple[WorkflowSpec, Callable[[int], dict[str, Any]]]:
@@ -102,10 +99,23 @@ class WorkflowTarget:
         request: SystemRequest,
         make_invoker: Callable[[Config, WorkflowOptions, dict[str, str]], Invoker],
         memory: Callable[[Invoker], dict[str, float]],
+        settings: Callable[[WorkflowOptions, dict[str, str]], dict[str, Any]],
     ) -> None:
         self.name = name
         self.request = request
-        self.options, self.invoker_options = WorkflowOptions.split(name, request.options, request.time_scale)
+        self.options, self.device_options, self.invoker_options = WorkflowOptions.split(
+            name, request.options, request.time_scale
+        )
+        # Checked now, before the run starts: the device, and the system's resolved settings.
+        environment = Config.from_env(**REPLAY_DEVICE_DEFAULTS).model_dump()
+        self.device = build(Config, name, **{**environment, **self.device_options})
+        device = self.device.resolved()
+        device.pop("state_dir")  # every run gets a ledger of its own (see `start`)
+        self.settings = {
+            **settings(self.options, self.invoker_options),
+            **self.options.model_dump(),
+            "device": device,
+        }
         self._make_invoker = make_invoker
         self._memory = memory
         self._state_dir: Path | None = None
@@ -119,7 +129,7 @@ class WorkflowTarget:
     async def start(self) -> None:
         # A ledger of its own: the device's used bytes are this system's and nothing else's.
         self._state_dir = Path(tempfile.mkdtemp(prefix=f"sbx-replay-{self.name}-"))
-        self._config = Config.from_env().with_overrides(state_dir=self._state_dir / "state")
+        self._config = self.device.with_overrides(state_dir=self._state_dir / "state")
         self._backend = self._config.open_backend()
         spec = getattr(self._backend, "spec", None)
         self._context_bytes = int(getattr(spec, "context_memory", 0))
@@ -145,7 +155,8 @@ class WorkflowTarget:
             raise RuntimeError(f"{self.name}: send() before start()")
         spec = self._specs.get(workflow)
         if spec is None:
-            raise KeyError(f"{self.name}: workflow {workflow!r} is not deployed; deployed: {list(self._specs)}")
+            deployed = list(self._specs)
+            raise KeyError(f"{self.name}: workflow {workflow!r} is not deployed; deployed: {deployed}")
         inputs = self._inputs[workflow]
         request = inputs[int(event.get("request_id", 0)) % len(inputs)]
         result = await self._engine.run(spec.name, request)
@@ -190,7 +201,8 @@ class WorkflowTarget:
             "keep_alive_s": self.options.keep_alive_s,
             "variants": self.options.variants,
             "invoker_options": dict(self.invoker_options),
-            "device": (self._config.backend, self._config.device_preset) if self._config else None,
+            "device": (self.device.backend, self.device.device_preset),
+            "settings": self.settings,
             "invoker": described() if callable(described) else type(invoker).__name__,
         }
 
@@ -210,9 +222,13 @@ def _proxy_invoker(system: str) -> Callable[[Config, WorkflowOptions, dict[str, 
     def make(config: Config, options: WorkflowOptions, rest: dict[str, str]) -> Invoker:
         from streambox.workflows.proxy_invoker import ProxyInvoker
 
-        proxy_options = _proxy_options(system, rest)
         # The proxy loads its models at start for the shapes the requests will bring.
-        proxy_options.setdefault("model_shapes", options.inputs)
+        # device_mode rides along until `proxy_config_for` copies it from the Config.
+        proxy_options = {
+            "model_shapes": options.inputs,
+            "device_mode": config.device_mode,
+            **_proxy_options(system, rest),
+        }
         return ProxyInvoker(
             config,
             system=system,
@@ -224,16 +240,34 @@ def _proxy_invoker(system: str) -> Callable[[Config, WorkflowOptions, dict[str, 
     return make
 
 
-def _proxy_options(system: str, options: dict[str, str]) -> dict[str, Any]:
-    """`--set` strings to ProxyConfig fields (the proxy validates names and values)."""
-    if not options:
-        return {}
-    from streambox.api_proxy import proxy_config
+def _proxy_options(system: str, options: Mapping[str, str]) -> dict[str, Any]:
+    """`--set` strings to ProxyConfig fields (errors name the system, the key and what is allowed)."""
+    from streambox.api_proxy.proxy_config import ablation_options
 
-    parse = getattr(proxy_config, "ablation_options", None)
-    if parse is None:
-        raise ValueError(f"{system}: this build takes no proxy options; got {sorted(options)}")
-    return dict(parse(options))
+    try:
+        return ablation_options(options)
+    except ValueError as error:
+        raise ValueError(f"{system}: {error}") from None
+
+
+def _proxy_settings(system: str) -> Callable[[WorkflowOptions, dict[str, str]], dict[str, Any]]:
+    """The proxy's mechanisms resolved as its `stats` will report them (`Mechanisms.resolved`)."""
+
+    def resolve(options: WorkflowOptions, rest: dict[str, str]) -> dict[str, Any]:
+        from streambox.config import Mechanisms
+
+        parsed = _proxy_options(system, rest)
+        mechanisms = {k: v for k, v in parsed.items() if k in Mechanisms.model_fields}
+        resolved = build(Mechanisms, system, system=system, **mechanisms).resolved()
+        keep = parsed.get("weights_keep_alive_s")
+        return {
+            **resolved,
+            "weights_keep_alive_s": options.keep_alive_s if keep is None else keep,
+            "completion": parsed.get("completion") or env_default("completion") or "poll",
+            "channel": parsed.get("channel") or env_default("channel") or "shm",
+        }
+
+    return resolve
 
 
 def _proxy_memory(invoker: Invoker) -> dict[str, float]:
@@ -248,30 +282,47 @@ def _proxy_memory(invoker: Invoker) -> dict[str, float]:
 
 
 def make_streambox_target(request: SystemRequest) -> WorkflowTarget:
-    return WorkflowTarget("streambox", request, _proxy_invoker("streambox"), _proxy_memory)
+    return WorkflowTarget(
+        "streambox", request, _proxy_invoker("streambox"), _proxy_memory, _proxy_settings("streambox")
+    )
 
 
 def make_stream_only_target(request: SystemRequest) -> WorkflowTarget:
-    return WorkflowTarget("stream-only", request, _proxy_invoker("stream-only"), _proxy_memory)
+    return WorkflowTarget(
+        "stream-only", request, _proxy_invoker("stream-only"), _proxy_memory, _proxy_settings("stream-only")
+    )
 
 
 # -- monolithic: a process and a runtime per instance ----------------------------------------------
 
 
+class MonolithicOptions(SettingsModel):
+    """`monolithic`'s own options (it has no proxy, so none of the mechanisms)."""
+
+    prewarm: int = Field(0, ge=0, description="instances per function started before the first request")
+
+
+def _monolithic_options(rest: Mapping[str, str]) -> MonolithicOptions:
+    unknown = sorted(set(rest) - set(MonolithicOptions.model_fields))
+    if unknown:
+        known = (*MonolithicOptions.model_fields, *COMMON_OPTIONS, *DEVICE_FIELDS)
+        raise ValueError(f"monolithic: unknown options {unknown}; known: {', '.join(known)}")
+    return build(MonolithicOptions, "monolithic", **rest)
+
+
 def _monolithic_invoker(config: Config, options: WorkflowOptions, rest: dict[str, str]) -> Invoker:
     from streambox.workflows.monolithic import MonolithicInvoker
 
-    known = ("prewarm",)
-    unknown = sorted(set(rest) - set(known))
-    if unknown:
-        raise ValueError(f"monolithic: unknown options {unknown}; known: {', '.join(known + COMMON_OPTIONS)}")
-    try:
-        prewarm = int(rest.get("prewarm", 0))
-    except ValueError:
-        raise ValueError(f"monolithic: prewarm is a number of instances, got {rest['prewarm']!r}") from None
     return MonolithicInvoker(
-        config, keep_alive_s=options.keep_alive_s, prewarm=prewarm, model_shapes=options.inputs
+        config,
+        keep_alive_s=options.keep_alive_s,
+        prewarm=_monolithic_options(rest).prewarm,
+        model_shapes=options.inputs,
     )
+
+
+def _monolithic_settings(options: WorkflowOptions, rest: dict[str, str]) -> dict[str, Any]:
+    return {"system": "monolithic", **_monolithic_options(rest).model_dump()}
 
 
 def _monolithic_memory(invoker: Invoker) -> dict[str, float]:
@@ -281,4 +332,6 @@ def _monolithic_memory(invoker: Invoker) -> dict[str, float]:
 
 
 def make_monolithic_target(request: SystemRequest) -> WorkflowTarget:
-    return WorkflowTarget("monolithic", request, _monolithic_invoker, _monolithic_memory)
+    return WorkflowTarget(
+        "monolithic", request, _monolithic_invoker, _monolithic_memory, _monolithic_settings
+    )

@@ -1,34 +1,25 @@
-"""The `streambox` command line."""
+"""The `streambox` command line.
+
+Building the parser imports no torch, torchvision, aiohttp or zmq: each subcommand's arguments come
+from the settings tree (`streambox.flags`) and its handler module is imported only when it runs
+(`handler` is a "module:function" string). `main` builds only the subcommand named on the command
+line, so `streambox --help` and `streambox COMMAND --help` answer quickly.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from streambox.config import Config
-from streambox.device import DeviceError
-from streambox.device.modes import DEVICE_MODES, describe_device_mode, device_mode_env
-
-
-def _add_device_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", help="device backend: emulated (default) or cuda [STREAMBOX_BACKEND]")
-    parser.add_argument(
-        "--device-preset",
-        help="emulated device preset: v100-16gb (default), h100-80gb [STREAMBOX_DEVICE_PRESET]",
-    )
-    parser.add_argument("--gpus", type=int, help="number of emulated GPUs (default 1) [STREAMBOX_GPUS]")
-    parser.add_argument(
-        "--device-mode", choices=DEVICE_MODES,
-        help="emulated device: functional (default) or timed (GPU time) [STREAMBOX_DEVICE_MODE]",
-    )
+from streambox.flags import DEVICE, MECHANISMS, RUN, add_deprecated_alias, add_setting_flags, config_from
 
 
 def _config(args: argparse.Namespace) -> Config:
-    return Config.from_env().with_overrides(
-        backend=args.backend, device_preset=args.device_preset, gpus=args.gpus, device_mode=args.device_mode
-    )
+    return config_from(args)
 
 
 def _mib(nbytes: int) -> str:
@@ -95,19 +86,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve workflows through the HTTP gateway, one API proxy per workflow."""
-    from streambox.workflows.commands import proxy_options_from, serve
+    from streambox.workflows.commands import inputs_from, proxy_options_from, serve
     from streambox.workflows.proxy_invoker import ProxyInvoker
 
-    options = proxy_options_from(args)
+    inputs = inputs_from(args)
+    config = _config(args)
+    # device_mode rides with the proxy options until `proxy_config_for` copies it from the Config.
+    options = {"model_shapes": inputs, "device_mode": config.device_mode, **proxy_options_from(args)}
     if args.system == "monolithic":
         from streambox.workflows.monolithic import MonolithicInvoker
 
-        if options:
-            raise ValueError(f"--system monolithic has no proxy; drop {', '.join(sorted(options))}")
-        factory = MonolithicInvoker.factory()
+        proxy_only = sorted(set(options) - {"model_shapes", "device_mode"})
+        if proxy_only:
+            raise ValueError(f"--system monolithic has no proxy; drop {', '.join(proxy_only)}")
+        factory = MonolithicInvoker.factory(model_shapes=inputs)
     else:
         factory = ProxyInvoker.factory(proxy_options=options)
-    config = _config(args)
+    from streambox.device.modes import describe_device_mode, device_mode_env
+
     print(describe_device_mode(config.device_mode), flush=True)
     with device_mode_env(config.device_mode):  # the proxies and instances it starts follow it
         serve(
@@ -118,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config=config,
             invoker_factory=factory,
             on_ready=lambda url: print(f"serving on {url} (Ctrl-C stops)", flush=True),
-            small=args.small,
+            small=inputs == "small",
         )
     return 0
 
@@ -142,86 +138,174 @@ def cmd_invoke(args: argparse.Namespace) -> int:
     return 0 if response.ok else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="streambox",
-        description="StreamBox: serverless inference functions sharing one GPU runtime through streams.",
-    )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+def _devices_arguments(p: argparse.ArgumentParser) -> None:
+    add_setting_flags(p, DEVICE)
+    p.set_defaults(handler=cmd_devices)
 
-    devices = commands.add_parser("devices", help="list devices with memory used/total and streams")
-    _add_device_options(devices)
-    devices.set_defaults(handler=cmd_devices)
 
-    demo = commands.add_parser(
-        "demo", help="run every zoo model through its kernel plan on the (emulated) GPU and report memory"
-    )
-    _add_device_options(demo)
-    demo.add_argument("--models", nargs="*", help="zoo models to run (default: all)")
-    demo.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    demo.set_defaults(handler=cmd_demo)
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    add_setting_flags(p, DEVICE)
+    p.add_argument("--models", nargs="*", help="zoo models to run (default: all)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.set_defaults(handler=cmd_demo)
 
-    compile_ = commands.add_parser(
-        "compile",
-        help="compile a zoo model's kernels to persistent-thread-block CUDA (needs the 'compiler' extra)",
-    )
-    _add_device_options(compile_)
-    compile_.add_argument("model", help="zoo model name")
-    compile_.add_argument("--arch", default="sm_90", help="CUDA architecture, sm_75 to sm_90 (default sm_90)")
-    compile_.add_argument("--out", type=Path, help="model pool directory (default: STREAMBOX_MODEL_POOL)")
-    compile_.add_argument("--batch", type=int, default=1)
-    compile_.add_argument("--input-shape", help="input shape without the batch, e.g. 3x224x224")
-    compile_.add_argument("--no-nvcc", action="store_true", help="emit CUDA C only")
-    compile_.set_defaults(handler=cmd_compile)
 
-    validate = commands.add_parser(
-        "validate", help="check workflow YAML files (file, line and field on errors)"
-    )
-    validate.add_argument("paths", nargs="+", help="workflow YAML files or bundled workflow names")
-    validate.set_defaults(handler=cmd_validate)
+def _compile_arguments(p: argparse.ArgumentParser) -> None:
+    add_setting_flags(p, DEVICE)
+    p.add_argument("model", help="zoo model name")
+    p.add_argument("--arch", default="sm_90", help="CUDA architecture, sm_75 to sm_90 (default sm_90)")
+    p.add_argument("--out", type=Path, help="model pool directory (default: STREAMBOX_MODEL_POOL)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--input-shape", help="input shape without the batch, e.g. 3x224x224")
+    p.add_argument("--no-nvcc", action="store_true", help="emit CUDA C only")
+    p.set_defaults(handler=cmd_compile)
 
-    serve = commands.add_parser("serve", help="serve workflows over HTTP, one API proxy per workflow")
-    _add_device_options(serve)
-    serve.add_argument("paths", nargs="+", help="workflow YAML files or bundled workflow names")
-    serve.add_argument(
+
+def _validate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", help="workflow YAML files or bundled workflow names")
+    p.set_defaults(handler=cmd_validate)
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", help="workflow YAML files or bundled workflow names")
+    p.add_argument(
         "--system",
         default="streambox",
         choices=("streambox", "stream-only", "monolithic"),
         help="streambox (default), stream-only (the proxy with StreamBox's mechanisms off) or monolithic "
         "(the baseline: a process and a runtime per function instance, data through Redis)",
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--small", action="store_true", help="use the zoo's small input shapes")
-    from streambox.workflows.commands import add_proxy_options
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    add_setting_flags(p, RUN, MECHANISMS, DEVICE)
+    add_deprecated_alias(p, "--small", "inputs", "small")
+    p.set_defaults(handler=cmd_serve)
 
-    add_proxy_options(serve)
-    serve.set_defaults(handler=cmd_serve)
 
-    invoke = commands.add_parser("invoke", help="send one request to a running gateway")
-    invoke.add_argument("name", help="workflow name")
-    invoke.add_argument("--input", help="JSON file holding the event")
-    invoke.add_argument("--sample", action="store_true", help="send a seeded synthetic event instead")
-    invoke.add_argument("--seed", type=int, default=0)
-    invoke.add_argument("--url", default="http://127.0.0.1:8080")
-    invoke.add_argument("--timeout", type=float, default=None, help="seconds")
-    invoke.set_defaults(handler=cmd_invoke)
+def _invoke_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="workflow name")
+    p.add_argument("--input", help="JSON file holding the event")
+    p.add_argument("--sample", action="store_true", help="send a seeded synthetic event instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", default="http://127.0.0.1:8080")
+    p.add_argument("--timeout", type=float, default=None, help="seconds")
+    p.set_defaults(handler=cmd_invoke)
 
-    from streambox.replay.cli import add_commands as add_replay_commands
 
-    add_replay_commands(commands)
+def _burst_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "path", help="workflow YAML file or bundled workflow name (traffic, image-processing, social-media)"
+    )
+    p.add_argument("--requests", "-n", type=int, default=16, help="requests to send (default 16)")
+    p.add_argument("--concurrency", "-c", type=int, default=4, help="most requests outstanding (default 4)")
+    p.add_argument(
+        "--warmup", type=int, default=0, help="requests sent first, one at a time, not counted (default 0)"
+    )
+    p.add_argument("--system", default="streambox", help="streambox (default) | stream-only")
+    p.add_argument("--via", default="gateway", help="gateway (default: through HTTP) | engine (no HTTP)")
+    p.add_argument("--input", help="JSON file holding the event (default: a seeded synthetic one each)")
+    p.add_argument(
+        "--params",
+        action="append",
+        metavar="[FUNCTION.]KEY=VALUE",
+        help="override a function's YAML params, e.g. detect.image_size=96 (repeatable)",
+    )
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
+    add_setting_flags(p, RUN, MECHANISMS, DEVICE)
+    add_deprecated_alias(p, "--full-size", "inputs", "full")
+    p.set_defaults(handler="streambox.workflows.burst:cmd_burst")
 
-    from streambox.workflows.burst import add_commands as add_burst_commands
 
-    add_burst_commands(commands)
+def _replay_arguments(p: argparse.ArgumentParser) -> None:
+    from streambox.replay.cli import add_replay_arguments
+
+    add_replay_arguments(p)
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `replay`")
+    p.add_argument("--out", help="where to write the plots (default: report/ beside the first run)")
+    p.set_defaults(handler="streambox.replay.cli:cmd_report")
+
+
+#: Every subcommand: name -> (one-line help, description or None, what adds its arguments).
+COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], None]]] = {
+    "devices": ("list devices with memory used/total and streams", None, _devices_arguments),
+    "demo": (
+        "run every zoo model through its kernel plan on the (emulated) GPU and report memory",
+        None,
+        _demo_arguments,
+    ),
+    "compile": (
+        "compile a zoo model's kernels to persistent-thread-block CUDA (needs the 'compiler' extra)",
+        None,
+        _compile_arguments,
+    ),
+    "validate": ("check workflow YAML files (file, line and field on errors)", None, _validate_arguments),
+    "serve": ("serve workflows over HTTP, one API proxy per workflow", None, _serve_arguments),
+    "invoke": ("send one request to a running gateway", None, _invoke_arguments),
+    "replay": (
+        "replay an Azure Functions trace against a system, open loop, into a run directory",
+        "Replay Azure Functions invocations against a workflow on a system and record every request and "
+        "the system's memory. Without --trace, the shipped sample (real 2019 rows) is used.",
+        _replay_arguments,
+    ),
+    "report": (
+        "comparison plots (PNG) and table of replay runs",
+        "Draw memory over time, mean memory, throughput, latency CDF and SLO violations of replay runs, "
+        "and print their comparison table.",
+        _report_arguments,
+    ),
+    "burst": (
+        "deploy a workflow on its API proxy, send a burst of requests, report latency and memory",
+        "Deploy a workflow on a real API proxy (the emulated GPU by default), send N requests with at "
+        "most C outstanding through the HTTP gateway (or straight to the engine), and print latency "
+        "percentiles, cold starts, a per-function breakdown and device/pool memory.",
+        _burst_arguments,
+    ),
+}
+
+
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The command line; `commands`: the subcommands to give their arguments (None: all; the others
+    are listed with their help line only)."""
+    wanted = set(COMMANDS) if commands is None else set(commands)
+    parser = argparse.ArgumentParser(
+        prog="streambox",
+        description="StreamBox: serverless inference functions sharing one GPU runtime through streams.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (summary, description, add_arguments) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=summary, description=description or summary)
+        if name in wanted:
+            add_arguments(sub)
     return parser
 
 
+def _command_in(argv: Sequence[str]) -> list[str]:
+    """The subcommand named on the command line (the first word that is not an option), if any."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return [word] if word in COMMANDS else []
+
+
+def command_handler(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
+    handler = args.handler
+    if isinstance(handler, str):  # "module:function": imported only now that it runs
+        module, _, name = handler.partition(":")
+        handler = getattr(importlib.import_module(module), name)
+    return handler
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_command_in(argv)).parse_args(argv)
     try:
-        return int(args.handler(args))
-    except (ValueError, KeyError, DeviceError) as error:
+        return int(command_handler(args)(args))
+    except Exception as error:
+        # A DeviceError can only come from the device package once imported (it imports torch).
+        device = sys.modules.get("streambox.device")
+        if not isinstance(error, (ValueError, KeyError, *((device.DeviceError,) if device else ()))):
+            raise
         # Configuration mistakes get one clear line, not a traceback.
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"streambox {args.command}: error: {message}", file=sys.stderr)

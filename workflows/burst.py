@@ -12,10 +12,14 @@ The report: requests ok/failed, end-to-end latency percentiles (as the client sa
 and device memory and the workflow's pool (last reading, and the peak of the readings sampled while
 the burst ran).
 
-`params` (`--params [FUNCTION.]KEY=VALUE`) override functions' YAML `params` (the engine hands a
+`inputs` (`--inputs small|full`, as for `serve` and `replay`): `small` runs the bundled workflows at
+the zoo's small input shapes (`examples.SMALL_PARAMS`, the default), `full` at their YAML's sizes.
+`params` (`--params [FUNCTION.]KEY=VALUE`) then override functions' YAML `params` (the engine hands a
 function's params to it in every event, so they size the work: image sizes, fan-out widths). A KEY
 without FUNCTION goes to every function whose YAML declares it, or else to the entry functions.
-`DEMO_PARAMS` are the sizes the bundled workflows run at by default here (see `resolve_params`).
+
+The command line (`streambox.cli`) builds its flags from the settings tree; the device runs `timed`
+unless `--device-mode` or `STREAMBOX_DEVICE_MODE` says otherwise.
 """
 
 from __future__ import annotations
@@ -35,30 +39,18 @@ import numpy as np
 
 from streambox.api_proxy.errors import ProxyError
 from streambox.api_proxy.proxy_config import SYSTEMS
-from streambox.config import Config
-from streambox.device.modes import DEVICE_MODES, describe_device_mode, device_mode_env, env_device_mode
+from streambox.config import INPUTS, Config
+from streambox.flags import config_from
 
-from .commands import add_proxy_options, load_event, load_specs, proxy_options_from
+from .commands import inputs_from, load_event, load_specs, proxy_options_from
 from .engine import Engine
-from .examples import EXAMPLES, sample_event
+from .examples import EXAMPLES, SMALL_PARAMS, sample_event
 from .gateway import Gateway, GatewayServer
 from .invoker import RuntimeStats
 from .proxy_invoker import ProxyInvoker
 from .spec import WorkflowSpec
 
 VIAS = ("gateway", "engine")
-
-#: Per bundled workflow, per function: the sizes a burst runs at unless `--full-size` is given.
-#: Traffic at its YAML sizes (320 px detection, 224 px crops, up to 4 + 4 recognitions by ResNet-50
-#: and VGG-16) takes seconds per request on a few CPU cores running the emulated GPU's kernels; at
-#: 128 px detection, 64 px crops and at most 2 + 2 recognitions the same models and the same DAG
-#: (fan-out included) answer in a fraction of that. The other two workflows are light at full size.
-DEMO_PARAMS: dict[str, dict[str, dict[str, Any]]] = {
-    "traffic": {
-        "detect": {"image_size": 128, "face_size": 64, "car_size": 64, "max_people": 2, "max_vehicles": 2}
-    },
-}
-
 
 # -- inputs ---------------------------------------------------------------------------------------
 def _value(text: str) -> Any:
@@ -94,11 +86,13 @@ def parse_params(pairs: Sequence[str] | None, spec: WorkflowSpec) -> dict[str, d
 
 
 def resolve_params(
-    spec: WorkflowSpec, pairs: Sequence[str] | None = None, *, full_size: bool = False
+    spec: WorkflowSpec, pairs: Sequence[str] | None = None, *, inputs: str = "small"
 ) -> WorkflowSpec:
-    """The spec with `DEMO_PARAMS` (unless `full_size`) and then the `--params` items applied."""
-    if not full_size and spec.name in DEMO_PARAMS:
-        spec = spec.with_params(DEMO_PARAMS[spec.name])
+    """The spec at `inputs` sizes (`small`: `SMALL_PARAMS`), then with the `--params` items applied."""
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs {inputs!r} is not one of {', '.join(INPUTS)}")
+    if inputs == "small" and spec.name in SMALL_PARAMS:
+        spec = spec.with_params(SMALL_PARAMS[spec.name])
     return spec.with_params(parse_params(pairs, spec))
 
 
@@ -218,6 +212,7 @@ class BurstReport:
     peak_memory: Memory  # the largest readings sampled during it
     warmup: int = 0  # requests sent before `outcomes` and left out of them
     proxy_options: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)  # the proxy's resolved tree (its `stats`)
 
     @property
     def ok(self) -> int:
@@ -273,6 +268,7 @@ class BurstReport:
             "concurrency": self.concurrency,
             "params": self.params,
             "proxy_options": self.proxy_options,
+            "settings": self.settings,
             "ok": self.ok,
             "failed": self.failed,
             "errors": self.errors(),
@@ -436,6 +432,7 @@ class Deployment:
             peak_memory=peak[0].peak(memory),
             warmup=warmup,
             proxy_options=self.proxy_options,
+            settings=dict(self.invoker.last_stats().get(self.spec.name, {}).get("settings", {})),
         )
 
 
@@ -459,7 +456,7 @@ def prepare(
     warmup: int = 0,
     input_path: str | Path | None = None,
     params: Sequence[str] | None = None,
-    full_size: bool = False,
+    inputs: str = "small",
 ) -> tuple[WorkflowSpec, list[dict[str, Any]]]:
     """The validated spec (with its params resolved) and `warmup + requests` events."""
     if requests < 1:
@@ -467,7 +464,7 @@ def prepare(
     if warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {warmup}")
     (spec,) = load_specs([path])
-    spec = resolve_params(spec, params, full_size=full_size)
+    spec = resolve_params(spec, params, inputs=inputs)
     count = warmup + requests
     events = [load_event(input_path)] * count if input_path is not None else default_events(spec, count)
     return spec, events
@@ -481,12 +478,12 @@ def burst(
     warmup: int = 0,
     input_path: str | Path | None = None,
     params: Sequence[str] | None = None,
-    full_size: bool = False,
+    inputs: str = "small",
     **options: Any,
 ) -> BurstReport:
     """Blocking `burst_async` of a YAML file (or bundled workflow name); `options` go to it."""
     spec, events = prepare(
-        path, requests=requests, warmup=warmup, input_path=input_path, params=params, full_size=full_size
+        path, requests=requests, warmup=warmup, input_path=input_path, params=params, inputs=inputs
     )
     return asyncio.run(burst_async(spec, events, concurrency=concurrency, warmup=warmup, **options))
 
@@ -498,6 +495,15 @@ def _mib(nbytes: int) -> str:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
+
+
+def _mechanisms(settings: dict[str, Any]) -> str:
+    """The resolved tree in one line: pool mode, IO daemon, store, device mode."""
+    device = settings.get("device", {})
+    return (
+        f"pool {settings.get('pool_mode')}, IO {settings.get('io_label')}, "
+        f"store {settings.get('store_label')}, device {device.get('device_mode', '-')}"
+    )
 
 
 def print_report(report: BurstReport, file: Any = None) -> None:
@@ -534,6 +540,8 @@ def print_report(report: BurstReport, file: Any = None) -> None:
     ]
     if report.warmup:
         rows.insert(1, ("warm-up requests (not counted)", str(report.warmup)))
+    if report.settings:
+        rows.append(("mechanisms", _mechanisms(report.settings)))
     for row in rows:
         summary.add_row(*row)
     console.print(summary)
@@ -571,69 +579,15 @@ def print_report(report: BurstReport, file: Any = None) -> None:
         console.print(f"[red]{count} x[/red] {message}", markup=True, highlight=False)
 
 
-# -- command line ---------------------------------------------------------------------------------
-def add_burst_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = commands.add_parser(
-        "burst",
-        help="deploy a workflow on its API proxy, send a burst of requests, report latency and memory",
-        description="Deploy a workflow on a real API proxy (the emulated GPU by default), send N requests "
-        "with at most C outstanding through the HTTP gateway (or straight to the engine), and print "
-        "latency percentiles, cold starts, a per-function breakdown and device/pool memory.",
-    )
-    p.add_argument(
-        "path", help="workflow YAML file or bundled workflow name (traffic, image-processing, social-media)"
-    )
-    p.add_argument("--requests", "-n", type=int, default=16, help="requests to send (default 16)")
-    p.add_argument("--concurrency", "-c", type=int, default=4, help="most requests outstanding (default 4)")
-    p.add_argument(
-        "--warmup", type=int, default=0, help="requests sent first, one at a time, not counted (default 0)"
-    )
-    p.add_argument("--system", default="streambox", help="streambox (default) or stream-only")
-    p.add_argument(
-        "--via", choices=VIAS, default="gateway", help="through the HTTP gateway (default) or the engine"
-    )
-    p.add_argument(
-        "--input", help="JSON file holding the event (default: a seeded synthetic one per request)"
-    )
-    p.add_argument(
-        "--params",
-        action="append",
-        metavar="[FUNCTION.]KEY=VALUE",
-        help="override a function's YAML params, e.g. detect.image_size=96 (repeatable)",
-    )
-    p.add_argument(
-        "--full-size",
-        action="store_true",
-        help="the YAML's own sizes, not the burst's lighter defaults (traffic)",
-    )
-    p.add_argument(
-        "--completion", choices=("poll", "sync"), help="the proxy's completion: event polling or stream sync"
-    )
-    p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
-    add_proxy_options(p)
-    p.add_argument("--backend", help="device backend: emulated (default) or cuda [STREAMBOX_BACKEND]")
-    p.add_argument("--device-preset", help="emulated device preset [STREAMBOX_DEVICE_PRESET]")
-    p.add_argument("--gpus", type=int, help="number of emulated GPUs [STREAMBOX_GPUS]")
-    p.add_argument(
-        "--device-mode", choices=DEVICE_MODES,
-        help="emulated device: timed (default: GPU time, phantom data) or functional [STREAMBOX_DEVICE_MODE]",
-    )
-    p.set_defaults(handler=cmd_burst)
-    return p
-
-
-def add_commands(commands: argparse._SubParsersAction) -> None:
-    add_burst_parser(commands)
-
-
+# -- command line (the parser: streambox.cli) ---------------------------------------------------
 def cmd_burst(args: argparse.Namespace) -> int:
-    device_mode = args.device_mode or env_device_mode(default="timed")  # a burst measures time
-    config = Config.from_env().with_overrides(
-        backend=args.backend, device_preset=args.device_preset, gpus=args.gpus, device_mode=device_mode
-    )
-    print(describe_device_mode(device_mode), flush=True)
+    from streambox.device.modes import describe_device_mode, device_mode_env
+
+    config = config_from(args, device_mode="timed")
+    inputs = inputs_from(args)
+    print(describe_device_mode(config.device_mode), flush=True)
     try:
-        with device_mode_env(device_mode):  # the proxies it starts follow the run
+        with device_mode_env(config.device_mode):  # the proxies it starts follow the run
             report = burst(
                 args.path,
                 requests=args.requests,
@@ -641,13 +595,15 @@ def cmd_burst(args: argparse.Namespace) -> int:
                 warmup=args.warmup,
                 input_path=args.input,
                 params=args.params,
-                full_size=args.full_size,
+                inputs=inputs,
                 via=args.via,
                 system=args.system,
                 config=config,
+                # device_mode rides along until `proxy_config_for` copies it from the Config.
                 proxy_options={
+                    "model_shapes": inputs,
+                    "device_mode": config.device_mode,
                     **proxy_options_from(args),
-                    **({"completion": args.completion} if args.completion else {}),
                 },
             )
     except ProxyError as error:  # the proxy could not start: one line (its own log is above)
@@ -656,18 +612,16 @@ def cmd_burst(args: argparse.Namespace) -> int:
     print_report(report)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**report.to_json(), "device_mode": device_mode}, indent=1))
+        args.json.write_text(json.dumps(report.to_json(), indent=1))
         print(f"wrote {args.json}")
     return 0 if report.failed == 0 else 1
 
 
 __all__ = [
-    "DEMO_PARAMS",
     "BurstReport",
     "Deployment",
     "Memory",
     "Outcome",
-    "add_commands",
     "burst",
     "burst_async",
     "default_events",

@@ -19,8 +19,9 @@ from typing import Any
 
 import aiohttp
 
-from streambox.api_proxy.proxy_config import POOL_MODES, RECYCLERS, ablation_options
-from streambox.config import Config
+from streambox.api_proxy.proxy_config import ablation_options
+from streambox.config import Config, env_default
+from streambox.flags import MECHANISMS, RUN, given_settings
 
 from .engine import Engine, RequestResult
 from .examples import EXAMPLES, SMALL_PARAMS, example_path
@@ -147,33 +148,18 @@ def serve(
     )
 
 
-#: `streambox serve`'s ablation flags: flag -> (ProxyConfig field, help). Values are parsed by
-#: `proxy_config.ablation_options`, like the replay harness's `--set KEY=VALUE`.
-PROXY_FLAGS: dict[str, tuple[str, str]] = {
-    "--pool-mode": ("pool_mode", f"memory pool: {' | '.join(POOL_MODES)} (default: the system's)"),
-    "--io-daemon": ("io_daemon", "on | off: the IO daemon, or FIFO copies straight to the copy engine"),
-    "--io-block-bytes": ("io_block_bytes", "the IO daemon's block size, e.g. 2MiB (RZ; 16KiB = RZ off)"),
-    "--io-batch-blocks": ("io_batch_blocks", "blocks per batch (BT, default 6; 1 = one block per call)"),
-    "--io-shared-pinned": ("io_shared_pinned", "on | off: one shared pinned ring (PB), or one per request"),
-    "--recycler": ("recycler", f"where eager recycling runs: {' | '.join(RECYCLERS)} (default kernel)"),
-    "--weights-keep-alive": ("weights_keep_alive_s", "seconds shared model weights stay after last use"),
-}
-
-
-def add_proxy_options(parser: argparse.ArgumentParser) -> None:
-    """The per-run ablation switches of the API proxies (`PROXY_FLAGS`) on a `serve` parser."""
-    group = parser.add_argument_group("ablation switches (default: the --system's mechanisms)")
-    for flag, (dest, text) in PROXY_FLAGS.items():
-        group.add_argument(flag, dest=dest, metavar="VALUE", default=None, help=text)
-
-
 def proxy_options_from(args: argparse.Namespace) -> dict[str, Any]:
-    """The `ProxyConfig` fields the flags of `add_proxy_options` set (ValueError names a bad one);
-    for `ProxyInvoker.factory(proxy_options=...)`."""
-    given = {
-        dest: getattr(args, dest) for dest, _ in PROXY_FLAGS.values() if getattr(args, dest, None) is not None
-    }
-    return ablation_options(given)
+    """The `ProxyConfig` fields the settings flags set (`streambox.flags`: the mechanisms, completion,
+    channel, and `inputs` as the shapes the proxy loads its models for); a bad value raises
+    `SettingsError` naming it. For `ProxyInvoker.factory(proxy_options=...)`."""
+    options = ablation_options(given_settings(args, MECHANISMS, RUN))
+    inputs = options.pop("inputs", None)
+    return {**options, "model_shapes": inputs} if inputs is not None else options
+
+
+def inputs_from(args: argparse.Namespace) -> str:
+    """`--inputs` (or its deprecated alias), else the environment's (`STREAMBOX_INPUTS`), else small."""
+    return str(args.inputs or env_default("inputs"))
 
 
 def load_event(path: str | Path) -> dict[str, Any]:

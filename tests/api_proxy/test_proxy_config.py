@@ -1,4 +1,4 @@
-"""Per-run ablation switches of the API proxy: validation, string options, resolved settings, flags."""
+"""The proxy's record of the settings tree: validation, string options, resolved settings, flags."""
 
 from __future__ import annotations
 
@@ -6,14 +6,17 @@ import argparse
 
 import pytest
 
-from streambox.api_proxy.proxy_config import ProxyConfig, ablation_options, parse_bytes, parse_switch
+from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig, ablation_options
+from streambox.comm.config import StoreConfig
+from streambox.config import SettingsError
+from streambox.flags import MECHANISMS, RUN, add_setting_flags
 from streambox.io_daemon import DaemonConfig
 from streambox.memory_pool.modes import PoolMode
-from streambox.workflows.commands import add_proxy_options, proxy_options_from
+from streambox.workflows.commands import proxy_options_from
 
 
 def config(**options) -> ProxyConfig:
-    return ProxyConfig(workflow="wf", functions=(), **options)
+    return ProxyConfig(**{"workflow": "wf", "functions": (), **options})
 
 
 @pytest.mark.parametrize(
@@ -27,28 +30,25 @@ def test_none_means_the_systems_default(system, mode, daemon):
     c = config(system=system, keep_alive_s=5.0)
     assert c.resolved_pool_mode is mode
     assert c.daemon_config() == daemon
+    assert c.store_config() == StoreConfig()  # PA and AM on: both systems' store is StreamBox's
     settings = c.settings()
     assert settings["pool_mode"] == mode.value
     assert settings["io_daemon"] is (system == "streambox")
+    assert (settings["pa"], settings["am"], settings["store_label"]) == (True, True, "PA+AM")
     assert settings["recycler"] == "kernel"
     assert settings["weights_keep_alive_s"] == 5.0  # the instances' keep-alive unless given
+    assert settings["device"]["device_mode"] == "functional"  # the library's default
 
 
 def test_each_switch_overrides_one_mechanism():
-    c = config(
-        pool_mode="FM",
-        io_block_bytes=16 << 10,
-        io_batch_blocks=1,
-        io_shared_pinned=False,
-        recycler="thread",
-        weights_keep_alive_s=0.0,
-    )
+    c = config(pool_mode="FM", rz="off", pb=False, bt="no", pa="off", am="on", recycler="thread")
     assert c.pool_mode == "fm" and c.resolved_pool_mode is PoolMode.FM
     assert c.daemon_config() == DaemonConfig.ablation(rz=False, pb=False, bt=False)
+    assert c.store_config() == StoreConfig().ablation(pa=False, am=True)
     s = c.settings()
+    assert (s["rz"], s["pb"], s["bt"], s["pa"], s["am"]) == (False, False, False, False, True)
     assert (s["io_block_bytes"], s["io_batch_blocks"], s["io_inflight_batches"]) == (16 << 10, 1, 1)
-    assert s["io_label"] == "no optimizations" and s["recycler"] == "thread"
-    assert s["weights_keep_alive_s"] == 0.0
+    assert s["io_label"] == "no optimizations" and s["store_label"] == "AM"
     # The ablations cross the systems: stream-only with the daemon, StreamBox without it.
     assert config(system="stream-only", io_daemon=True).daemon_config() == DaemonConfig()
     assert config(io_daemon=False).daemon_config().mode == "stream-only"
@@ -56,28 +56,39 @@ def test_each_switch_overrides_one_mechanism():
 
 
 def test_json_round_trip_keeps_the_switches():
-    c = config(pool_mode="static", io_daemon=True, io_batch_blocks=3, recycler="thread")
+    c = config(pool_mode="static", io_daemon=True, bt=False, pa=False, recycler="thread", device_mode="timed")
+    c = c.with_overrides(functions=(FunctionSpec("f", "m:f", models=("resnet18",)),))
     assert ProxyConfig.from_json(c.to_json()) == c
+    assert c.settings()["device"]["device_mode"] == "timed"
 
 
 @pytest.mark.parametrize(
     ("options", "names"),
     [
-        ({"pool_mode": "lazy"}, ["pool_mode", "static, fm, fm+rs"]),
-        ({"recycler": "gc"}, ["recycler", "kernel, thread"]),
-        ({"io_daemon": "on"}, ["io_daemon", "on or off"]),  # a bool, not a string, in the record
-        ({"io_block_bytes": 0}, ["io_block_bytes", "positive integer"]),
-        ({"io_batch_blocks": 2.5}, ["io_batch_blocks", "positive integer"]),
-        ({"weights_keep_alive_s": -1}, ["weights_keep_alive_s", ">= 0"]),
-        ({"io_daemon": False, "io_block_bytes": 4096}, ["io_block_bytes", "io_daemon on"]),
-        ({"system": "stream-only", "io_shared_pinned": True}, ["io_shared_pinned", "off here"]),
+        ({"pool_mode": "lazy"}, ["pool_mode 'lazy'", "static, fm, fm+rs"]),
+        ({"recycler": "gc"}, ["recycler 'gc'", "kernel, thread"]),
+        ({"pa": "maybe"}, ["pa 'maybe'", "on or off"]),
+        ({"device_mode": "fast"}, ["device_mode 'fast'", "functional, timed"]),
+        ({"weights_keep_alive_s": -1}, ["weights_keep_alive_s -1", ">= 0"]),
+        ({"io_daemon": False, "rz": "on"}, ["rz", "io_daemon on"]),
+        ({"system": "stream-only", "pb": True}, ["pb", "off here"]),
+        ({"completion": "spin"}, ["completion 'spin'", "poll, sync"]),
+        ({"workflow": "a/b"}, ["workflow 'a/b'", "no '/'"]),
+        ({"turbo": True}, ["turbo", "not a known setting"]),
     ],
 )
-def test_invalid_switches_name_the_field_and_the_allowed_values(options, names):
-    with pytest.raises(ValueError) as error:
-        config(**options)
+def test_invalid_settings_name_the_field_the_value_and_the_allowed(options, names):
+    with pytest.raises(SettingsError) as error:
+        ProxyConfig(**{"workflow": "wf", "functions": (), **options})
     for name in names:
         assert name in str(error.value)
+
+
+def test_function_specs_are_checked():
+    with pytest.raises(SettingsError, match="handler 'nocolon' is not 'module:function'"):
+        FunctionSpec("f", "nocolon")
+    with pytest.raises(SettingsError, match="duplicate function names"):
+        config(functions=(FunctionSpec("f", "m:f"), FunctionSpec("f", "m:g")))
 
 
 def test_string_options_are_parsed_and_checked():
@@ -85,45 +96,54 @@ def test_string_options_are_parsed_and_checked():
         {
             "Pool-Mode": " fm+rs ",
             "io_daemon": "ON",
-            "io-block-bytes": "16KiB",
-            "io_batch_blocks": "1",
-            "io_shared_pinned": "no",
+            "RZ": "off",
+            "bt": "0",
+            "pb": "no",
+            "pa": "off",
+            "am": "true",
             "recycler": "thread",
-            "weights_keep_alive_s": "2.5s",
+            "weights_keep_alive_s": "2.5",
+            "completion": "sync",
         }
     )
     assert options == {
         "pool_mode": "fm+rs",
         "io_daemon": True,
-        "io_block_bytes": 16384,
-        "io_batch_blocks": 1,
-        "io_shared_pinned": False,
+        "rz": False,
+        "bt": False,
+        "pb": False,
+        "pa": False,
+        "am": True,
         "recycler": "thread",
         "weights_keep_alive_s": 2.5,
+        "completion": "sync",
     }
     assert config(**options).settings()["io_label"] == "no optimizations"
-    assert [parse_bytes(t) for t in ("2097152", "2MiB", "2m", "1.5k")] == [2 << 20, 2 << 20, 2 << 20, 1536]
-    assert [parse_switch(t) for t in ("off", "True", "1", "no")] == [False, True, True, False]
 
 
 def test_string_options_name_the_bad_key_or_value():
-    with pytest.raises(ValueError, match=r"unknown proxy option 'fm'; known options: pool_mode, io_daemon"):
+    with pytest.raises(SettingsError, match=r"unknown proxy option 'fm'; known: pool_mode, recycler"):
         ablation_options({"fm": "off"})
-    with pytest.raises(ValueError, match=r"pool_mode 'FM\+' is not one of static, fm, fm\+rs"):
+    with pytest.raises(
+        SettingsError, match=r"proxy option: pool_mode 'fm\+' is not one of static, fm, fm\+rs"
+    ):
         ablation_options({"pool_mode": "FM+"})
-    with pytest.raises(ValueError, match="io_block_bytes '2 parsecs' is not a byte count"):
-        ablation_options({"io_block_bytes": "2 parsecs"})
-    with pytest.raises(ValueError, match="io_daemon 'maybe' is not on or off"):
+    with pytest.raises(SettingsError, match="io_daemon 'maybe' is not on or off"):
         ablation_options({"io_daemon": "maybe"})
-    with pytest.raises(ValueError, match="io_batch_blocks 'six' is not an integer"):
-        ablation_options({"io_batch_blocks": "six"})
 
 
-def test_serve_flags_become_proxy_options():
+def test_flags_become_proxy_options():
     parser = argparse.ArgumentParser()
-    add_proxy_options(parser)
-    args = parser.parse_args(["--pool-mode", "static", "--io-daemon", "off", "--recycler", "thread"])
-    assert proxy_options_from(args) == {"pool_mode": "static", "io_daemon": False, "recycler": "thread"}
+    add_setting_flags(parser, RUN, MECHANISMS)
+    args = parser.parse_args(
+        ["--pool-mode", "static", "--io-daemon", "off", "--pa", "off", "--inputs", "full"]
+    )
+    assert proxy_options_from(args) == {
+        "pool_mode": "static",
+        "io_daemon": False,
+        "pa": False,
+        "model_shapes": "full",
+    }
     assert proxy_options_from(parser.parse_args([])) == {}
-    with pytest.raises(ValueError, match="io_batch_blocks"):
-        proxy_options_from(parser.parse_args(["--io-batch-blocks", "x"]))
+    with pytest.raises(SettingsError, match="bt 'x' is not on or off"):
+        proxy_options_from(parser.parse_args(["--bt", "x"]))

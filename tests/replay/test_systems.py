@@ -21,16 +21,48 @@ def test_the_three_systems_are_registered() -> None:
 
 
 def test_keep_alive_follows_the_time_compression() -> None:
-    options, rest = WorkflowOptions.split("streambox", {}, time_scale=1 / 60)
+    options, device, rest = WorkflowOptions.split("streambox", {}, time_scale=1 / 60)
     assert options.keep_alive_s == pytest.approx(PAPER_KEEP_ALIVE_S / 60)
-    assert options.inputs == "small" and rest == {}
-    options, rest = WorkflowOptions.split("streambox", {"keep_alive_s": "3", "pool_mode": "fm"}, 1.0)
+    assert options.inputs == "small" and device == {} and rest == {}
+    given = {"keep_alive_s": "3", "Pool-Mode": "fm", "device_mode": "functional"}
+    options, device, rest = WorkflowOptions.split("streambox", given, 1.0)
     assert options.keep_alive_s == 3.0 and rest == {"pool_mode": "fm"}
+    assert device == {"device_mode": "functional"}
+
+
+def test_the_resolved_settings_are_what_config_json_shows() -> None:
+    request = SystemRequest("streambox", ("traffic",), options={"pa": "off", "rz": "off", "inputs": "full"})
+    settings = WorkflowTarget.describe(resolve_system("streambox", request))["settings"]
+    assert (settings["pa"], settings["am"], settings["rz"], settings["pb"]) == (False, True, False, True)
+    assert (settings["pool_mode"], settings["inputs"]) == ("fm+rs", "full")
+    assert settings["io_block_bytes"] == 16 << 10
+    assert settings["device"]["device_mode"] == "timed"  # replay's default, unless told otherwise
+    only = resolve_system("stream-only", SystemRequest("stream-only", ("traffic",))).describe()["settings"]
+    assert (only["pool_mode"], only["io_daemon"], only["rz"]) == ("static", False, None)
+    request = SystemRequest("stream-only", ("traffic",), options={"device_mode": "functional"})
+    device = resolve_system("stream-only", request).describe()["settings"]["device"]
+    assert device["device_mode"] == "functional"
+
+
+@pytest.mark.parametrize(
+    ("system", "options", "message"),
+    [
+        ("streambox", {"pa": "maybe"}, "streambox: proxy option: pa 'maybe' is not on or off"),
+        ("streambox", {"fm": "off"}, "unknown proxy option 'fm'"),
+        ("stream-only", {"bt": "off"}, "bt: switches of the IO daemon, which is off here"),
+        ("monolithic", {"pool_mode": "fm"}, r"monolithic: unknown options \['pool_mode'\]"),
+        ("monolithic", {"prewarm": "-1"}, "prewarm '-1' must be >= 0"),
+        ("streambox", {"gpus": "0"}, "streambox: gpus '0' must be >= 1"),
+    ],
+)
+def test_bad_system_options_fail_before_the_run(system: str, options: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_system(system, SystemRequest(system, ("traffic",), options=options))
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
-    [({"inputs": "huge"}, "inputs='huge' is not one of small, full"), ({"variants": "x"}, "variants")],
+    [({"inputs": "huge"}, "inputs 'huge' is not one of small, full"), ({"variants": "x"}, "variants")],
 )
 def test_bad_options_name_the_key(options: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -57,7 +57,7 @@ def test_cli_burst_through_the_gateway_reports_latency_cold_starts_and_memory(ti
     event.write_text(json.dumps({"scale": 2}))
     out = tmp_path / "report.json"
     argv = ["burst", str(tiny), "--requests", "3", "--concurrency", "2", "--input", str(event)]
-    assert main([*argv, "--params", "n=4", "--json", str(out)]) == 0
+    assert main([*argv, "--params", "n=4", "--pa", "off", "--bt", "off", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "requests ok / failed" in printed and "3 / 0" in printed and "pool reserved" in printed
 
@@ -74,6 +74,11 @@ def test_cli_burst_through_the_gateway_reports_latency_cold_starts_and_memory(ti
     assert memory["device_total_bytes"] > memory["device_used_bytes"] > 0
     assert memory["pool_reserved_bytes"] >= memory["pool_used_bytes"] >= 0  # the pool may be idle by now
     assert report["peak_memory"]["device_used_bytes"] >= memory["device_used_bytes"]
+    # The proxy's resolved tree: the switches given, the rest resolved, the device timed (burst's).
+    settings = report["settings"]
+    assert (settings["pa"], settings["bt"], settings["am"]) == (False, False, True)
+    assert settings["pool_mode"] == "fm+rs" and settings["io_label"] == "RZ+PB"
+    assert settings["inputs"] == "small" and settings["device"]["device_mode"] == "timed"
 
 
 def test_burst_straight_to_the_engine_with_stream_sync_completion(tiny):
@@ -105,10 +110,12 @@ def test_bad_workflows_give_one_line_errors(tmp_path, capsys):
 
 def test_traffic_params_and_default_inputs():
     spec = load_example("traffic")
-    demo = resolve_params(spec)
-    assert demo.functions["detect"].params["image_size"] == 128
-    assert demo.functions["detect"].params["max_people"] == 2
-    assert resolve_params(spec, full_size=True).functions["detect"].params["image_size"] == 320
+    small = resolve_params(spec)  # the zoo's small shapes, as `serve --inputs small` and replay's
+    assert small.functions["detect"].params == load_example("traffic", small=True).functions["detect"].params
+    assert small.functions["detect"].params["image_size"] == 64
+    assert resolve_params(spec, inputs="full").functions["detect"].params["image_size"] == 320
+    with pytest.raises(ValueError, match="inputs 'tiny' is not one of small, full"):
+        resolve_params(spec, inputs="tiny")
     tuned = resolve_params(spec, ["image_size=96", "detect.min_box=1.5", "face.flag=true"])
     assert tuned.functions["detect"].params["image_size"] == 96
     assert tuned.functions["detect"].params["min_box"] == 1.5

@@ -1,0 +1,53 @@
+"""The replay's own options: checked when the run is configured, and the settings flags and `--set`
+merged into one mapping with the tree's names."""
+
+from __future__ import annotations
+
+import pytest
+
+from streambox.cli import build_parser
+from streambox.config import SettingsError
+from streambox.replay.cli import system_options
+from streambox.replay.run import ReplayConfig, run_replay
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"minutes": 0}, "minutes 0 must be >= 1"),
+        ({"scale": -1}, "scale -1 must be > 0"),
+        ({"select": "best"}, "select 'best' is not one of volume, random, stratified"),
+        ({"patterns": ("spiky",)}, "patterns .* is not one of sporadic, periodic, bursty"),
+        ({"spacing": "uniform"}, "spacing 'uniform' is not one of poisson, even, trace"),
+        ({"max_requests": 0}, "max_requests 0 must be >= 1"),
+        ({"minuets": 3}, "minuets 3 is not a known setting"),
+    ],
+)
+def test_bad_replay_options_name_the_field_the_value_and_the_allowed(options: dict, message: str) -> None:
+    with pytest.raises(SettingsError, match=f"ReplayConfig: {message}"):
+        ReplayConfig(**options)
+
+
+def test_run_replay_checks_its_options_before_reading_the_trace(tmp_path) -> None:
+    with pytest.raises(SettingsError, match="minute_seconds 0 must be > 0"):
+        run_replay(tmp_path / "no-such-trace", minute_seconds=0, out=tmp_path / "run")
+
+
+def test_flags_and_set_are_one_mapping_of_the_trees_names() -> None:
+    parser = build_parser(["replay"])
+    args = parser.parse_args(["replay", "--pa", "off", "--set", "Pool-Mode=fm", "--set", "pa=off"])
+    assert system_options(args) == {"pa": "off", "pool_mode": "fm"}
+    args = parser.parse_args(["replay", "--device-mode", "functional", "--set", "inputs=full"])
+    assert system_options(args) == {"device_mode": "functional", "inputs": "full"}
+    with pytest.raises(ValueError, match="--am off and --set am=on disagree"):
+        system_options(parser.parse_args(["replay", "--am", "off", "--set", "am=on"]))
+    assert ReplayConfig(system_options={"pa": "off"}).label == "streambox[pa=off]"
+
+
+def test_a_comparison_refuses_options_before_its_first_run(tmp_path) -> None:
+    """`rz=off` suits streambox but not stream-only (no IO daemon): nothing runs, nothing is written."""
+    from streambox.replay.run import run_comparison
+
+    with pytest.raises(ValueError, match="stream-only: rz: switches of the IO daemon"):
+        run_comparison(["streambox", "stream-only"], out=tmp_path, system_options={"rz": "off"})
+    assert not any(tmp_path.iterdir())
