@@ -137,6 +137,7 @@ class CommStore:
         self._lease_ids = itertools.count(1)
         self._seq = itertools.count()
         self._gone: OrderedDict[str, str] = OrderedDict()
+        self._watchers: dict[str, list[Callable[[], None]]] = {}  # one-shot PUT notifications
         self._global = global_table
         self._view = GlobalView(node, self.config.global_refresh_s) if global_table is not None else None
         self._sync_lock = threading.Lock()
@@ -421,7 +422,32 @@ class CommStore:
             self.table.set(self._location(item))
             self.stats.puts += 1
             self._cond.notify_all()
-            return self.table.get(key)  # type: ignore[return-value]
+            location = self.table.get(key)
+            watchers = self._watchers.pop(key, [])
+        for callback in watchers:  # outside the lock: a callback may GET the key at once
+            callback()
+        return location  # type: ignore[return-value]
+
+    def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback()` once after the next PUT of `key` (on the putting thread; at once if the
+        key is here now); returns a function that cancels it. The waiting of `get` for callers that
+        must not block a thread (the proxy's dispatcher): the same PUT wakes both."""
+        with self._cond:
+            present = key in self._items
+            if not present:
+                self._watchers.setdefault(key, []).append(callback)
+        if present:
+            callback()
+
+        def cancel() -> None:
+            with self._cond:
+                waiting = self._watchers.get(key)
+                if waiting and callback in waiting:
+                    waiting.remove(callback)
+                    if not waiting:
+                        del self._watchers[key]
+
+        return cancel
 
     def _upload(self, key: str, tensor: torch.Tensor, gpu: int) -> _Item:
         if tensor.device.type != "cpu":
