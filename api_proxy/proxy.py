@@ -55,7 +55,7 @@ from .errors import FunctionCrashed, ProxyError, encode_error
 from .lifecycle import Lifecycle
 from .ops import OPS, CallContext
 from .proxy_config import ProxyConfig
-from .proxy_memory import MemoryOptions, ProxyMemory
+from .proxy_memory import MemoryOptions, ProxyMemory, ReclaimingAllocator
 from .resources import Resources
 from .shm_ring import private_dir
 from .snapshot import snapshot
@@ -166,9 +166,12 @@ class ProxyServer:
         # The store's capacity: a fraction of the idle memory the pool's demand model predicts over
         # the window. It allocates from the pool (it fences and retires its own streams' frees).
         store_idle = PoolIdleMemory(self.memory.pool, self.memory.board, self.memory.scaler)
+        # The store's own allocations (a reader's copy of data it moved to host memory) may evict idle
+        # weights, but never ask the store itself to reclaim (no call re-enters the store).
+        store_allocator = ReclaimingAllocator(self.memory.pool, [self.memory.models.evict_idle])
         store = CommStore(
             {cfg.device: self.runtime},
-            {cfg.device: self.memory.pool},
+            {cfg.device: store_allocator},
             node=f"proxy-{cfg.workflow}",
             idle={cfg.device: store_idle},
             config=StoreConfig(),
@@ -176,9 +179,9 @@ class ProxyServer:
         )
         store_idle.store_bytes = lambda: store.usage()[cfg.device]
         self.store = store.start()
-        # An allocation the pool cannot meet first asks the store to move stored data off the GPU
-        # (to a peer GPU or host memory, by the store's rules) before it fails.
-        self.memory.pool.add_pressure_handler(lambda nbytes: self.store.reclaim(cfg.device, nbytes))
+        # An allocation the pool cannot meet also has the store move stored data off the GPU (to a
+        # peer GPU or host memory, by the store's rules) before it fails; run outside the pool's lock.
+        self.memory.allocator.reclaimers.append(lambda nbytes: self.store.reclaim(cfg.device, nbytes))
         return device
 
     def _open_control(self) -> None:

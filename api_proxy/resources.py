@@ -191,7 +191,7 @@ class Resources:
         if any(d < 0 for d in shape):
             raise ValueError(f"negative dimension in shape {shape}")
         nbytes = math.prod(shape) * dtype.itemsize
-        address = self.memory.pool.allocate(max(nbytes, 1), inst.stream)
+        address = self.memory.allocator.allocate(max(nbytes, 1), inst.stream)
         return DeviceTensor(address, dtype, shape, contiguous_strides(shape), nbytes)
 
     def upload(self, inst: Instance, inv: Invocation, payload: Any) -> DeviceTensor:

@@ -128,7 +128,7 @@ class CommStore:
         self._idle = self._idle_predictor(idle)
         self._copy_streams = {g: rt.create_stream() for g, rt in self._rt.items()}
         self._free_streams = {g: rt.create_stream() for g, rt in self._rt.items()}
-        self._cond = threading.Condition(threading.RLock())
+        self._cond = threading.Condition(threading.Lock())  # never re-entered: the pool does not call up
         self._items: dict[str, _Item] = {}
         self.table = NodeTable(node)
         self._used = dict.fromkeys(self._rt, 0)
@@ -141,7 +141,7 @@ class CommStore:
         self._global = global_table
         self._view = GlobalView(node, self.config.global_refresh_s) if global_table is not None else None
         self._sync_lock = threading.Lock()
-        self._move_lock = threading.RLock()  # re-entered when a move allocates and the pool reclaims
+        self._move_lock = threading.Lock()  # one movement at a time (a move's allocation never reclaims)
         self._ticker: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -219,9 +219,10 @@ class CommStore:
         )
 
     def usage(self) -> dict[int, int]:
-        """Bytes the store holds per GPU, and in host memory under `HOST` (-1)."""
-        with self._cond:
-            return {**self._used, HOST: self._host_used}
+        """Bytes the store holds per GPU, and in host memory under `HOST` (-1). Lock-free (a copy of
+        ints under the GIL; the keys never change): the idle-memory predictor asks for it while the
+        store computes capacities under its lock."""
+        return {**self._used, HOST: self._host_used}
 
     def location(self, key: str) -> Location | None:
         with self._cond:
