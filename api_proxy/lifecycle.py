@@ -26,6 +26,7 @@ from .errors import (
     ProxyError,
     UnknownFunction,
     encode_error,
+    with_fields,
 )
 from .scheduler import Dispatch, Expire, InvocationScheduler, Start, Stop
 from .state import Instance, Invocation, ProxyStats
@@ -137,7 +138,9 @@ class Lifecycle:
             if not ok:
                 kind, message, text = [*value, "", "", ""][:3]
                 where = f"(function {inv.function!r}, request {inv.request_id!r})"
-                value = encode_error(FunctionFailed(f"{kind}: {message} {where}\n{text}"))
+                failed = FunctionFailed(f"{kind}: {message} {where}\n{text}")
+                details = {"error_type": kind, "message": message, "traceback": text or None}
+                value = encode_error(with_fields(failed, **details, **self._where(inv)))
             elif error is not None:
                 ok, value = False, encode_error(error)
             self.resources.end_invocation(inv, inst, end)
@@ -146,6 +149,10 @@ class Lifecycle:
             self._instance_free(inst)
 
         self.calls.complete(inst, end, finished)
+
+    @staticmethod
+    def _where(inv: Invocation) -> dict[str, Any]:
+        return {"function": inv.function, "request_id": inv.request_id}
 
     def reply(self, inv: Invocation, ok: bool, value: Any) -> None:
         if not ok:
@@ -189,7 +196,8 @@ class Lifecycle:
                 self.resources.end_invocation(inv, inst, None)
                 who = f"instance {inst.id} of function {inst.spec.name!r}"
                 why = error(f"{who} {reason} during request {inv.request_id!r}")
-                self.reply(inv, False, encode_error(why))
+                fields = {"error_type": error.__name__, "message": str(why), "instance": inst.id}
+                self.reply(inv, False, encode_error(with_fields(why, **fields, **self._where(inv))))
         self.drop_instance(inst)
 
     def drop_instance(self, inst: Instance) -> None:
@@ -271,7 +279,8 @@ class Lifecycle:
                 inv = action.item
                 waited = f"waited {now - inv.arrived:.1f} s for an instance"
                 error = FunctionTimeout(f"request {inv.request_id!r} of {action.function!r} {waited}")
-                self.reply(inv, False, encode_error(error))
+                fields = {"error_type": "FunctionTimeout", "message": str(error), **self._where(inv)}
+                self.reply(inv, False, encode_error(with_fields(error, **fields)))
             elif isinstance(action, Stop):
                 inst = self.supervisor.instances[action.instance]  # type: ignore[index]
                 inst.state = "stopping"

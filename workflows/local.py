@@ -36,6 +36,7 @@ from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.zoo import get_entry
+from streambox.sdk import GET_TIMEOUT_S
 
 from .handlers import Handler, resolve_handler
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
@@ -43,7 +44,7 @@ from .spec import WorkflowSpec
 
 SYSTEMS = ("streambox", "stream-only")
 DEFAULT_KEEP_ALIVE_S = 600.0
-DEFAULT_GET_TIMEOUT_S = 30.0
+DEFAULT_GET_TIMEOUT_S = GET_TIMEOUT_S  # the SDK's, as in every runtime
 _ENDED_REMEMBERED = 4096
 
 
@@ -234,7 +235,7 @@ class _LocalWorkflow:
 
 
 class LocalContext:
-    """The `ctx` of a handler in run-local mode (the same calls as the function SDK's)."""
+    """The `ctx` of a handler in run-local mode: `streambox.Context`, over this process's device."""
 
     def __init__(self, wf: _LocalWorkflow, function: str, stream: Stream, request_id: str) -> None:
         self._wf = wf
@@ -242,6 +243,7 @@ class LocalContext:
         self._owned: dict[int, DeviceTensor] = {}  # tensors this invocation must free at its end
         self.function = function
         self.request_id = request_id
+        self.workflow = wf.spec.name
 
     def key(self, name: str) -> str:
         """`<workflow>/<request id>/<name>`: a key scoped to this request, dropped when it ends."""
@@ -303,6 +305,10 @@ class LocalContext:
 
     def delete(self, key: str) -> None:
         self._wf.store.delete(key)
+
+    def synchronize(self) -> None:
+        """Wait for this invocation's own work (its stream), not the whole device."""
+        self._stream.synchronize()
 
     def finish(self) -> None:
         """Free what the invocation still owns (stream-ordered) and wait for its stream."""
