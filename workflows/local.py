@@ -32,6 +32,7 @@ import torch
 
 from streambox.api_proxy.device_tensor import DeviceTensor, download_tensor, upload_tensor
 from streambox.api_proxy.executor import DeviceModel, PlanExecutor, StreamPoolAllocator, upload_model
+from streambox.comm.errors import GetTimeout  # one GET-timeout error in every runtime
 from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.model_pool import ModelPool
@@ -46,10 +47,6 @@ SYSTEMS = ("streambox", "stream-only")
 DEFAULT_KEEP_ALIVE_S = 600.0
 DEFAULT_GET_TIMEOUT_S = GET_TIMEOUT_S  # the SDK's, as in every runtime
 _ENDED_REMEMBERED = 4096
-
-
-class GetTimeout(TimeoutError):
-    """A GET whose key nobody put in time."""
 
 
 class StoreError(RuntimeError):
@@ -126,7 +123,7 @@ class LocalStore:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise GetTimeout(f"GET of key {key!r} timed out after {timeout:g} s: nothing put it")
+                    raise GetTimeout(key, timeout, "nothing put it")
                 self._cond.wait(left)
             if entry.consumers is None:
                 return entry, False
