@@ -8,7 +8,7 @@
   evicted; the proxy adds the store's `reclaim`), outside the pool's lock, and the pool goes on;
 - `executor`: a `PlanExecutor` for the mode (static: up front; fm, fm+rs: lazy + eager), writing
   positions to `board`;
-- `models`: the `ModelCache` (shared weights, keep-alive), also the pool's pressure handler; with
+- `models`: the `ModelCache` (shared weights, keep-alive), also a reclaimer of `allocator`; with
   `daemon=` (the proxy's `IODaemon`) the weights are copied through the daemon;
 - `scaler` (fm+rs only): the `ResilientScaler` thread, every T_interval/2 (with a floor);
   T_interval is measured on the runtime at start-up unless given;
