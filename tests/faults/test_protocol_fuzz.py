@@ -4,7 +4,7 @@ unknown ops, wrong argument counts, and the cases `[5]`, `[4]`, `{}`, `b"c1"` th
 proxy); the proxy ends that instance alone and keeps serving another function's requests with
 correct results, and its memory returns to its baseline.
 
-A real proxy process (template, forked instances, shared-memory channel); the frames are sent from
+A real proxy process (template, forked instances; shared-memory and zmq channels); the frames are sent from
 inside a real handler, through the client's own channel. The oracle is `protocol.decode`: a frame it
 refuses must fail the fuzzing request with `FunctionCrashed` ("sent a malformed message"), one it
 accepts is a message the proxy may act on (a reply to an unknown call is dropped by the function; a
@@ -99,8 +99,8 @@ def _expected(seed: int) -> dict[str, float]:
     return {"sum": float(x.sum()), "first": float(x[0])}
 
 
-@pytest.fixture(scope="module")
-def proxy(tmp_path_factory):
+@pytest.fixture(scope="module", params=["shm", "zmq"])
+def proxy(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("protocol_fuzz")
     (root / "fuzz_handlers.py").write_text(HANDLERS)
     config = ProxyConfig(
@@ -108,7 +108,7 @@ def proxy(tmp_path_factory):
         functions=(FunctionSpec("fuzz", "fuzz_handlers:fuzz"), FunctionSpec("good", "fuzz_handlers:good")),
         sys_path=(str(root),),
         state_dir=str(root / "state"),
-        channel="shm",
+        channel=request.param,
         completion="poll",
         prefork=2,
     )
