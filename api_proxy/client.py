@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from streambox.sdk import GET_TIMEOUT_S
+
 from . import wire
 from .channel import ClientChannel
 from .errors import ChannelClosed, FunctionFailed, decode_error
@@ -173,8 +175,9 @@ def _input(obj: Any) -> Any:
     return {"tensor": tensor_payload(obj)}
 
 
-class Context:
-    """What a handler gets as `ctx` (see the module doc and `docs/api_proxy.md`)."""
+class ProxyContext:
+    """What a handler behind the API proxy gets as `ctx`: `streambox.Context` plus the low-level
+    calls (see the module doc and `docs/api_proxy.md`)."""
 
     def __init__(
         self, client: Client, *, workflow: str, function: str, request_id: str, instance_id: int
@@ -186,7 +189,7 @@ class Context:
         self.instance_id = instance_id
 
     def __repr__(self) -> str:
-        return f"<Context {self.workflow}/{self.function} request={self.request_id}>"
+        return f"<ProxyContext {self.workflow}/{self.function} request={self.request_id}>"
 
     # -- keys ---------------------------------------------------------------------------------
     def key(self, name: str) -> str:
@@ -228,7 +231,7 @@ class Context:
         DELETE or the end of its request. Asynchronous: the future can be ignored."""
         return self._client.call("put", [self._key(key), list(Handle.from_wire(handle)), consumers, ttl])
 
-    def get(self, key: str, timeout: float = 10.0) -> Handle:
+    def get(self, key: str, timeout: float = GET_TIMEOUT_S) -> Handle:
         """The handle under `key` (waiting up to `timeout` s for its PUT); later work on this instance's
         stream waits until the producer's work on it is complete."""
         return self._client.call("get", [self._key(key), timeout], Handle.from_wire).result()
@@ -301,7 +304,7 @@ def serve(
     instance_id: int,
     workflow: str,
     function: str,
-    handler: Callable[[Context, Any], Any],
+    handler: Callable[[ProxyContext, Any], Any],
 ) -> None:
     """An instance's life: register, then run invocations until told to stop."""
     client = Client(channel)
@@ -311,7 +314,7 @@ def serve(
         if message[0] == wire.STOP:
             return
         _, invocation_id, request_id, event = message
-        ctx = Context(
+        ctx = ProxyContext(
             client, workflow=workflow, function=function, request_id=request_id, instance_id=instance_id
         )
         try:
@@ -327,3 +330,6 @@ def serve(
             text = "".join(traceback.format_exception(exc))
             reply = [wire.RESULT, invocation_id, False, [type(exc).__name__, str(exc), text]]
         channel.send(wire.pack(reply))
+
+
+Context = ProxyContext  # the name it had before the SDK's `Context` protocol

@@ -1,17 +1,29 @@
 """Errors of the API proxy, and how they cross the forwarding channel.
 
-An error travels as `[type name, message]` and is rebuilt from the classes registered here (unknown
-names become `ProxyError`): nothing a function sends is ever unpickled, and no class is looked up by
-an arbitrary name. Torch-free: function processes import this.
+An error travels as `[type name, message, fields]` and is rebuilt from the classes registered here
+(unknown names become `CallFailed`): nothing a function sends is ever unpickled, and no class is looked
+up by an arbitrary name. `fields` (a JSON-able map, `exc.fields` on both sides) carries the error's
+details structured -- a handler's failure has `error_type`, `message`, `traceback`, `function`,
+`request_id` -- so no receiver parses the message text back. Torch-free: function processes import this.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
+
+E = TypeVar("E", bound=BaseException)
 
 
 class ProxyError(RuntimeError):
     """Base class of every error the API proxy reports."""
+
+    fields: dict[str, Any] = {}  # noqa: RUF012 - read-only default; `with_fields` sets an instance's own
+
+
+def with_fields(exc: E, **fields: Any) -> E:
+    """`exc` carrying `fields` (JSON-able details) across process boundaries."""
+    exc.fields = dict(fields)  # type: ignore[attr-defined]
+    return exc
 
 
 class IsolationError(ProxyError, PermissionError):
@@ -99,12 +111,12 @@ _BUILTINS: dict[str, type[BaseException]] = {
 
 
 def encode_error(exc: BaseException) -> list[Any]:
-    """`[type name, message]` for the wire. Device errors keep their name (e.g. `KernelError`)."""
+    """`[type name, message, fields]` for the wire. Device errors keep their name (e.g. `KernelError`)."""
     message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     notes = getattr(exc, "__notes__", None)
     if notes:
         message = "\n".join([message, *notes])
-    return [type(exc).__name__, message]
+    return [type(exc).__name__, message, dict(getattr(exc, "fields", None) or {})]
 
 
 def decode_error(obj: Any) -> BaseException:
@@ -112,11 +124,12 @@ def decode_error(obj: Any) -> BaseException:
     try:
         name, message = str(obj[0]), str(obj[1])
     except (TypeError, IndexError, KeyError):
-        return CallFailed(f"malformed error from the proxy: {obj!r}")
+        return CallFailed(f"malformed error from the proxy: {obj!r:.200}")
+    fields = obj[2] if len(obj) > 2 and isinstance(obj[2], dict) else {}
     cls = _REGISTRY.get(name) or _BUILTINS.get(name)
     if cls is not None:
-        return cls(message)
+        return with_fields(cls(message), **fields)
     alias = _ALIASES.get(name)
     if alias is not None:
-        return alias(f"{name}: {message}")
-    return CallFailed(f"{name}: {message}")
+        return with_fields(alias(f"{name}: {message}"), **fields)
+    return with_fields(CallFailed(f"{name}: {message}"), **fields)

@@ -24,8 +24,8 @@ input shapes share them):
 - `release(model, after=done)`: the user leaves once `after` (its run's `done` event) has
   completed; until then it still counts as a user, so a running kernel never loses its weights.
 - `expire()`: frees the weights of models idle for longer than `keep_alive_s` (the policy decides;
-  a periodic sweep calls this). `evict_idle(nbytes)` frees idle models early, oldest first: the
-  pool's pressure handler when an allocation cannot be met.
+  a periodic sweep calls this). `evict_idle(nbytes)` frees idle models early, oldest first: a
+  reclaimer of `ReclaimingAllocator`, run when the pool answers an allocation with `Reclaim`.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 `ProxyMemory(runtime, MemoryOptions(mode=...))` wires the pieces for one pool mode:
 
 - `pool`: the `DeviceMemoryPool`, the only source of device bytes (weights, activations, outputs,
-  and the communication store when it arrives);
+  and the communication store when it arrives); `allocator` (`ReclaimingAllocator`) is how the
+  parts take bytes from it: when the pool answers `Reclaim(n)` the reclaimers run (idle weights
+  evicted; the proxy adds the store's `reclaim`), outside the pool's lock, and the pool goes on;
 - `executor`: a `PlanExecutor` for the mode (static: up front; fm, fm+rs: lazy + eager), writing
   positions to `board`;
-- `models`: the `ModelCache` (shared weights, keep-alive), also the pool's pressure handler; with
+- `models`: the `ModelCache` (shared weights, keep-alive), also a reclaimer of `allocator`; with
   `daemon=` (the proxy's `IODaemon`) the weights are copied through the daemon;
 - `scaler` (fm+rs only): the `ResilientScaler` thread, every T_interval/2 (with a floor);
   T_interval is measured on the runtime at start-up unless given;
@@ -30,7 +32,7 @@ from streambox.io_daemon import IODaemon
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.memory_pool.modes import PoolMode
 from streambox.memory_pool.periodic import PeriodicThread
-from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig
+from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig, Reclaim
 from streambox.memory_pool.scaler import (
     PositionBoard,
     ResilientScaler,
@@ -44,7 +46,41 @@ from .device_tensor import DeviceTensor
 from .executor import PlanExecutor, RunResult
 from .model_cache import ModelCache
 
-__all__ = ["MemoryOptions", "ProxyMemory"]
+__all__ = ["MemoryOptions", "ProxyMemory", "ReclaimingAllocator"]
+
+#: Asked to give device bytes back to the pool (evict idle weights, move stored data off the GPU);
+#: returns the bytes it gave back.
+Reclaimer = Callable[[int], int]
+
+
+class ReclaimingAllocator:
+    """The pool as the proxy's parts allocate from it: when the pool needs memory back it says so
+    (`Reclaim`), the reclaimers run here, outside the pool's lock, and the allocation resumes where
+    the pool's ladder stopped. The pool never calls up into its users."""
+
+    def __init__(self, pool: DeviceMemoryPool, reclaimers: Iterable[Reclaimer] = ()) -> None:
+        self.pool = pool
+        self.reclaimers: list[Reclaimer] = list(reclaimers)
+
+    def allocate(self, nbytes: int, stream: Stream) -> int:
+        got = self.pool.try_allocate(nbytes, stream)
+        while isinstance(got, Reclaim):
+            for reclaim in list(self.reclaimers):
+                reclaim(got.nbytes)
+            got = self.pool.try_allocate(nbytes, stream, resume=got)
+        return got
+
+    def free(self, address: int, stream: Stream | None) -> None:
+        self.pool.free(address, stream)
+
+    def free_many(self, addresses: Iterable[int], stream: Stream | None) -> None:
+        self.pool.free_many(addresses, stream)
+
+    def fence(self, stream: Stream, event: Any = None) -> None:
+        self.pool.fence(stream, event)
+
+    def retire_stream(self, stream: Stream, timeout_s: float | None = None) -> bool:
+        return self.pool.retire_stream(stream, timeout_s)
 
 
 @dataclass(frozen=True)
@@ -78,12 +114,13 @@ class ProxyMemory:
         self.mode = PoolMode.parse(options.mode) if isinstance(options.mode, str) else options.mode
         self.runtime = runtime
         self.pool = DeviceMemoryPool(runtime, options.pool)
+        self.allocator = ReclaimingAllocator(self.pool)
         self.board = PositionBoard()
         self.executor = PlanExecutor.for_mode(
-            runtime, self.pool, self.mode, positions=self.board, recycler=options.recycler
+            runtime, self.allocator, self.mode, positions=self.board, recycler=options.recycler
         )
-        self.models = ModelCache(runtime, self.pool, keep_alive_s=options.keep_alive_s, daemon=daemon)
-        self.pool.add_pressure_handler(self.models.evict_idle)
+        self.models = ModelCache(runtime, self.allocator, keep_alive_s=options.keep_alive_s, daemon=daemon)
+        self.allocator.reclaimers.append(self.models.evict_idle)
         self.scaler: ResilientScaler | None = None
         self.timing: ScalerTiming | None = None
         if self.mode.resilient_scaling:

@@ -191,33 +191,31 @@ def _warm_up() -> None:
     client.Client.__init__  # noqa: B018
 
 
-def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
-    die_with_parent()
-    config = read_frame(cmd_fd)
-    if config is None:
-        return
-    workflow: str = config["workflow"]
-    try:
-        for path in config.get("sys_path", []):
-            if path not in sys.path:
-                sys.path.insert(0, path)
-        for module in config.get("preload", []):
-            importlib.import_module(module)
-        import streambox.sdk  # noqa: F401 - the SDK the handlers use
+def _import_handlers(config: dict[str, Any]) -> dict[str, Any]:
+    """Import what the handlers need (the SDK, the channel and client once here, not in each
+    instance) and resolve the handlers."""
+    for path in config.get("sys_path", []):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    for module in config.get("preload", []):
+        importlib.import_module(module)
+    import streambox.sdk  # noqa: F401 - the SDK the handlers use
 
-        from . import channel, client  # noqa: F401 - imported once here, not in each instance
+    from . import channel, client  # noqa: F401 - imported once here, not in each instance
 
-        handlers = {name: resolve_handler(spec) for name, spec in config["functions"].items()}
-    except BaseException as exc:  # noqa: BLE001 - reported to the proxy, which fails its start
-        write_frame(evt_fd, [FAILED, "".join(traceback.format_exception(exc))])
-        return
-    assign = socket.socket(fileno=assign_fd) if assign_fd >= 0 else None
-    gc.collect()
-    gc.freeze()
-    collapsed = collapse_heap() if config.get("huge_pages", True) else 0
-    me = os.getpid()
+    return {name: resolve_handler(spec) for name, spec in config["functions"].items()}
 
-    def reap(signum: int, frame: Any) -> None:
+
+class _Template:
+    """The template's loop: fork spares and instances on the proxy's commands, report them and
+    their exits on the event pipe."""
+
+    def __init__(self, cmd_fd: int, evt_fd: int, assign: socket.socket | None, workflow: str, handlers: Any):
+        self.cmd_fd, self.evt_fd, self.assign = cmd_fd, evt_fd, assign
+        self.workflow, self.handlers = workflow, handlers
+        self.me = os.getpid()
+
+    def reap(self, signum: int, frame: Any) -> None:
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -225,46 +223,66 @@ def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
                 return
             if pid == 0:
                 return
-            write_frame(evt_fd, [EXITED, pid, status])
+            write_frame(self.evt_fd, [EXITED, pid, status])
 
-    def fork_spare() -> None:
+    def fork_spare(self) -> None:
+        assign = self.assign
         assert assign is not None
         pid = os.fork()
         if pid == 0:
-            _setup_child(me, [cmd_fd, evt_fd])
+            _setup_child(self.me, [self.cmd_fd, self.evt_fd])
             _warm_up()
 
             def body() -> None:
                 instance_id, function, endpoint = _spare_wait(assign)
-                _serve(instance_id, workflow, function, handlers[function], endpoint)
+                _serve(instance_id, self.workflow, function, self.handlers[function], endpoint)
 
             _exit_child(body)
-        write_frame(evt_fd, [SPARE, pid])
+        write_frame(self.evt_fd, [SPARE, pid])
 
-    def fork_instance(instance_id: int, function: str, endpoint: dict[str, Any]) -> None:
+    def fork_instance(self, instance_id: int, function: str, endpoint: dict[str, Any]) -> None:
         pid = os.fork()
         if pid == 0:
-            _setup_child(me, [cmd_fd, evt_fd] + ([assign.fileno()] if assign else []))
-            _exit_child(lambda: _serve(instance_id, workflow, function, handlers[function], endpoint))
-        write_frame(evt_fd, [FORKED, instance_id, pid])
+            inherited = [self.cmd_fd, self.evt_fd] + ([self.assign.fileno()] if self.assign else [])
+            _setup_child(self.me, inherited)
+            handler = self.handlers[function]
+            _exit_child(lambda: _serve(instance_id, self.workflow, function, handler, endpoint))
+        write_frame(self.evt_fd, [FORKED, instance_id, pid])
 
-    signal.signal(signal.SIGCHLD, reap)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when the template ends
-    spares = int(config.get("prefork", 0)) if assign is not None else 0
-    with _sigchld_blocked():
-        for _ in range(spares):
-            fork_spare()
-    write_frame(evt_fd, [READY, me, collapsed])
-    while True:
-        request = read_frame(cmd_fd)
-        if request is None:  # the proxy closed the pipe: done
-            return
+    def run(self, spares: int, collapsed: int) -> None:
+        signal.signal(signal.SIGCHLD, self.reap)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when the template ends
         with _sigchld_blocked():
-            if request == [SPARE]:
-                if assign is not None:
-                    fork_spare()
-            else:
-                fork_instance(*request)
+            for _ in range(spares):
+                self.fork_spare()
+        write_frame(self.evt_fd, [READY, self.me, collapsed])
+        while True:
+            request = read_frame(self.cmd_fd)
+            if request is None:  # the proxy closed the pipe: done
+                return
+            with _sigchld_blocked():
+                if request != [SPARE]:
+                    self.fork_instance(*request)
+                elif self.assign is not None:
+                    self.fork_spare()
+
+
+def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
+    die_with_parent()
+    config = read_frame(cmd_fd)
+    if config is None:
+        return
+    try:
+        handlers = _import_handlers(config)
+    except BaseException as exc:  # noqa: BLE001 - reported to the proxy, which fails its start
+        write_frame(evt_fd, [FAILED, "".join(traceback.format_exception(exc))])
+        return
+    assign = socket.socket(fileno=assign_fd) if assign_fd >= 0 else None
+    gc.collect()
+    gc.freeze()
+    collapsed = collapse_heap() if config.get("huge_pages", True) else 0
+    spares = int(config.get("prefork", 0)) if assign is not None else 0
+    _Template(cmd_fd, evt_fd, assign, config["workflow"], handlers).run(spares, collapsed)
 
 
 @contextlib.contextmanager

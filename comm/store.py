@@ -128,7 +128,7 @@ class CommStore:
         self._idle = self._idle_predictor(idle)
         self._copy_streams = {g: rt.create_stream() for g, rt in self._rt.items()}
         self._free_streams = {g: rt.create_stream() for g, rt in self._rt.items()}
-        self._cond = threading.Condition(threading.RLock())
+        self._cond = threading.Condition(threading.Lock())  # never re-entered: the pool does not call up
         self._items: dict[str, _Item] = {}
         self.table = NodeTable(node)
         self._used = dict.fromkeys(self._rt, 0)
@@ -137,10 +137,11 @@ class CommStore:
         self._lease_ids = itertools.count(1)
         self._seq = itertools.count()
         self._gone: OrderedDict[str, str] = OrderedDict()
+        self._watchers: dict[str, list[Callable[[], None]]] = {}  # one-shot PUT notifications
         self._global = global_table
         self._view = GlobalView(node, self.config.global_refresh_s) if global_table is not None else None
         self._sync_lock = threading.Lock()
-        self._move_lock = threading.RLock()  # re-entered when a move allocates and the pool reclaims
+        self._move_lock = threading.Lock()  # one movement at a time (a move's allocation never reclaims)
         self._ticker: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -218,9 +219,10 @@ class CommStore:
         )
 
     def usage(self) -> dict[int, int]:
-        """Bytes the store holds per GPU, and in host memory under `HOST` (-1)."""
-        with self._cond:
-            return {**self._used, HOST: self._host_used}
+        """Bytes the store holds per GPU, and in host memory under `HOST` (-1). Lock-free (a copy of
+        ints under the GIL; the keys never change): the idle-memory predictor asks for it while the
+        store computes capacities under its lock."""
+        return {**self._used, HOST: self._host_used}
 
     def location(self, key: str) -> Location | None:
         with self._cond:
@@ -421,7 +423,32 @@ class CommStore:
             self.table.set(self._location(item))
             self.stats.puts += 1
             self._cond.notify_all()
-            return self.table.get(key)  # type: ignore[return-value]
+            location = self.table.get(key)
+            watchers = self._watchers.pop(key, [])
+        for callback in watchers:  # outside the lock: a callback may GET the key at once
+            callback()
+        return location  # type: ignore[return-value]
+
+    def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback()` once after the next PUT of `key` (on the putting thread; at once if the
+        key is here now); returns a function that cancels it. The waiting of `get` for callers that
+        must not block a thread (the proxy's dispatcher): the same PUT wakes both."""
+        with self._cond:
+            present = key in self._items
+            if not present:
+                self._watchers.setdefault(key, []).append(callback)
+        if present:
+            callback()
+
+        def cancel() -> None:
+            with self._cond:
+                waiting = self._watchers.get(key)
+                if waiting and callback in waiting:
+                    waiting.remove(callback)
+                    if not waiting:
+                        del self._watchers[key]
+
+        return cancel
 
     def _upload(self, key: str, tensor: torch.Tensor, gpu: int) -> _Item:
         if tensor.device.type != "cpu":

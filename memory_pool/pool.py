@@ -28,11 +28,15 @@ When nothing fits, an allocation (1) collects completed fences; (2) if its own s
 frees in flight that could make room, waits for the oldest of them instead of growing (the host
 waits, the device keeps running the work queued after the fence) -- this keeps the pool at the
 demand of the kernels being *issued* even when the host runs ahead of the device; (3) grows the
-pool by a chunk (a surge beyond any prediction still succeeds); (4) under device pressure gives
-its free chunks back so the device can hand out one large enough, and asks the pressure handlers
-(e.g. the weight cache evicts idle models); (5) waits, at most `oom_wait_s`, for frees in flight
-anywhere; then (6) fails this one request with `PoolOutOfMemory`, naming the requested, free and
-pool bytes. The pool and the other functions go on.
+pool by a chunk (a surge beyond any prediction still succeeds); (4) under device pressure returns
+`Reclaim(nbytes)` from `try_allocate`: what it needs its users to give back (idle weights evicted,
+stored data moved off the GPU), which the caller does *outside the pool's lock* before resuming the
+allocation with `try_allocate(..., resume=that)` (CuPy's `_try_malloc` ladder, vLLM's `AllocStatus`:
+the pool decides, its owner acts; the pool never calls up); then it gives its free chunks back so
+the device can hand out one large enough; (5) waits, at most `oom_wait_s`, for frees in flight
+anywhere (asking for a reclaim again after each wait); then (6) fails this one request with
+`PoolOutOfMemory`, naming the requested, free and pool bytes. The pool and the other functions go
+on. `allocate` is the same ladder for a caller with nothing to reclaim.
 
 Which pool mode (static / fm / fm+rs) runs is decided above this class: the executor decides
 lazy allocation and eager recycling, the `ResilientScaler` resizes the pool in fm+rs. Static and fm
@@ -44,7 +48,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from streambox.device.base import (
@@ -62,6 +66,7 @@ from .suballocator import SubAllocator, SubAllocatorStats
 
 __all__ = [
     "DeviceMemoryPool",
+    "Reclaim",
     "PoolConfig",
     "PoolCounters",
     "PoolOutOfMemory",
@@ -72,8 +77,25 @@ __all__ = [
 MiB = 1 << 20
 _MASK = ~(ALIGNMENT - 1)
 
-#: A pressure handler is asked to free device bytes (e.g. evict idle cached weights); returns bytes freed.
-PressureHandler = Callable[[int], int]
+
+@dataclass
+class _Ladder:
+    """Where an allocation that does not fit stands on the slow path (kept across a `Reclaim`)."""
+
+    started: float
+    wait_own: bool
+    deadline: float | None = None
+    reclaimed: bool = False  # asked for a reclaim since the last wait for frees in flight
+
+
+@dataclass
+class Reclaim:
+    """What an allocation needs before it goes on: `nbytes` given back to the pool by its users (idle
+    weights evicted, stored data moved off the GPU). The caller reclaims outside the pool's lock, then
+    resumes with `try_allocate(nbytes, stream, resume=this)`."""
+
+    nbytes: int
+    ladder: _Ladder = field(repr=False)
 
 
 def chunk_size_for(nbytes: int, chunk_bytes: int) -> int:
@@ -252,7 +274,6 @@ class DeviceMemoryPool:
         self._demand = 0
         self._streams: dict[Stream, _StreamFrees] = {}
         self._token = 0
-        self._handlers: list[PressureHandler] = []
         self.counters = PoolCounters()
         self.metrics: PoolMetrics | None = (
             PoolMetrics(time.perf_counter, self.config.series_limit, self.config.series_interval_s)
@@ -269,22 +290,29 @@ class DeviceMemoryPool:
 
     # -- the executor's Allocator protocol ------------------------------------------------------
     def allocate(self, nbytes: int, stream: Stream) -> int:
-        """An address of at least `nbytes` device bytes usable by work issued to `stream` from now on."""
-        started = time.perf_counter()
+        """An address of at least `nbytes` device bytes usable by work issued to `stream` from now on
+        (a caller with nothing to reclaim: the slow path goes on without asking)."""
+        got = self.try_allocate(nbytes, stream)
+        while isinstance(got, Reclaim):
+            got = self.try_allocate(nbytes, stream, resume=got)
+        return got
+
+    def try_allocate(self, nbytes: int, stream: Stream, resume: Reclaim | None = None) -> int | Reclaim:
+        """`allocate`, or `Reclaim` when the pool needs memory back from its users first; `resume`
+        continues an allocation after the caller reclaimed what an earlier `Reclaim` asked for."""
+        ladder = resume.ladder if resume is not None else None
+        started = ladder.started if ladder is not None else time.perf_counter()
         size = _aligned(nbytes)
         with self._lock:
             if self._closed:
                 raise DeviceError("memory pool is closed")
-            address = None
-            frees = self._streams.get(stream)
-            if frees is not None and frees.pending:
-                address = frees.take(size)
-                if address is not None:
-                    self.counters.same_stream_reuses += 1
+            address = None if ladder is not None else self._allocate_fast(size, stream)
             if address is None:
-                address = self._sub.allocate(size)
-                if address is None:
-                    address = self._allocate_slow(nbytes, size, stream)
+                if ladder is None:
+                    ladder = _Ladder(started, self.config.wait_own_frees)
+                address = self._allocate_slow(nbytes, size, stream, ladder)
+                if isinstance(address, Reclaim):
+                    return address
             self._live[address] = nbytes
             self._demand += nbytes
             self.counters.allocations += 1
@@ -294,6 +322,15 @@ class DeviceMemoryPool:
                 metrics.update(now, self._sub.reserved_bytes, self._sub.allocated_bytes, self._demand)
                 metrics.record_alloc(now - started)
         return address
+
+    def _allocate_fast(self, size: int, stream: Stream) -> int | None:
+        frees = self._streams.get(stream)
+        if frees is not None and frees.pending:
+            address = frees.take(size)
+            if address is not None:
+                self.counters.same_stream_reuses += 1
+                return address
+        return self._sub.allocate(size)
 
     def free(self, address: int, stream: Stream | None) -> None:
         """Free one block, stream-ordered on `stream` (None: no device work uses it any more)."""
@@ -482,12 +519,11 @@ class DeviceMemoryPool:
             return collected
 
     # -- growing, waiting, failing --------------------------------------------------------------
-    def _allocate_slow(self, nbytes: int, size: int, stream: Stream) -> int:
-        """Called with the lock held (once) when no free block fits."""
-        deadline: float | None = None
-        waited_from = time.perf_counter()
-        trimmed_for_pressure = False
-        wait_own = self.config.wait_own_frees
+    def _allocate_slow(self, nbytes: int, size: int, stream: Stream, ladder: _Ladder) -> int | Reclaim:
+        """Called with the lock held when no free block fits (again after a `Reclaim`)."""
+        if ladder.reclaimed:  # back from reclaiming: give our free chunks to the device (they may add
+            self._collect_locked()  # up to enough but be scattered; the device can hand out one)
+            self._trim_locked(0)
         while True:
             self._collect_locked()
             address = self._sub.allocate(size)
@@ -495,14 +531,14 @@ class DeviceMemoryPool:
                 return address
             own = self._streams.get(stream)
             if (
-                wait_own
+                ladder.wait_own
                 and own is not None
                 and own.fenced
                 and own.pending_bytes + self._sub.reserved_bytes - self._sub.allocated_bytes >= size
             ):  # once this stream's frees land (coalescing with free neighbours), it may fit
                 self.counters.own_frees_waits += 1
                 # A stream that does not get there in time (a kernel stuck) stops this waiting.
-                wait_own = self._unlocked_wait(own.fenced[0][0], self.config.oom_wait_s)
+                ladder.wait_own = self._unlocked_wait(own.fenced[0][0], self.config.oom_wait_s)
                 continue
             for frees in self._streams.values():  # lone frees elsewhere: collectable soon
                 self._fence_locked(frees, None)
@@ -511,39 +547,38 @@ class DeviceMemoryPool:
                 continue
             except OutOfDeviceMemory:
                 pass
-            if not trimmed_for_pressure:
-                # Ask the handlers to free memory (idle weights), then give our free chunks to the
-                # device: they may add up to enough but be scattered, the device can hand out one.
-                trimmed_for_pressure = True
+            if not ladder.reclaimed:
+                ladder.reclaimed = True
                 self.counters.pressure_trims += 1
-                self._call_handlers(size)
-                self._collect_locked()
-                self._trim_locked(0)
-                continue
-            now = time.perf_counter()
-            if deadline is None:
-                deadline = now + self.config.oom_wait_s
-            if now >= deadline:
-                self.counters.out_of_memory += 1
-                free_dev, total_dev = self.runtime.memory_info()
-                st = self._sub.stats()
-                raise PoolOutOfMemory(
-                    nbytes,
-                    st.free_bytes,
-                    st.reserved_bytes,
-                    st.largest_free_block,
-                    free_dev,
-                    total_dev,
-                    now - waited_from,
-                )
-            for frees in self._streams.values():
-                self._fence_locked(frees, None)
-            oldest = [f.fenced[0][0] for f in self._streams.values() if f.fenced]
-            if oldest:
-                self._unlocked_wait(oldest[0], min(deadline - now, 0.01))
-            else:
-                self._unlocked_sleep(min(deadline - now, 1e-3))
-            trimmed_for_pressure = False
+                return Reclaim(size, ladder)
+            self._wait_for_frees(nbytes, ladder)
+            ladder.reclaimed = False
+
+    def _wait_for_frees(self, nbytes: int, ladder: _Ladder) -> None:
+        """Wait a little for frees in flight anywhere, or fail once `oom_wait_s` has passed."""
+        now = time.perf_counter()
+        if ladder.deadline is None:
+            ladder.deadline = now + self.config.oom_wait_s
+        if now >= ladder.deadline:
+            self.counters.out_of_memory += 1
+            free_dev, total_dev = self.runtime.memory_info()
+            st = self._sub.stats()
+            raise PoolOutOfMemory(
+                nbytes,
+                st.free_bytes,
+                st.reserved_bytes,
+                st.largest_free_block,
+                free_dev,
+                total_dev,
+                now - ladder.started,
+            )
+        for frees in self._streams.values():
+            self._fence_locked(frees, None)
+        oldest = [f.fenced[0][0] for f in self._streams.values() if f.fenced]
+        if oldest:
+            self._unlocked_wait(oldest[0], min(ladder.deadline - now, 0.01))
+        else:
+            self._unlocked_sleep(min(ladder.deadline - now, 1e-3))
 
     def _unlocked_wait(self, event: Event, timeout_s: float) -> bool:
         self._lock.release()
@@ -558,20 +593,6 @@ class DeviceMemoryPool:
             time.sleep(max(0.0, seconds))
         finally:
             self._lock.acquire()
-
-    def _call_handlers(self, nbytes: int) -> int:
-        freed = 0
-        self._lock.release()  # handlers take their own locks and free into this pool
-        try:
-            for handler in list(self._handlers):
-                freed += handler(nbytes)
-        finally:
-            self._lock.acquire()
-        return freed
-
-    def add_pressure_handler(self, handler: PressureHandler) -> None:
-        """`handler(nbytes)` is asked to free memory when an allocation cannot be met."""
-        self._handlers.append(handler)
 
     def _grow_locked(self, nbytes: int) -> None:
         base = self._backend.alloc_async(nbytes, self._stream)

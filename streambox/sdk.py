@@ -1,10 +1,12 @@
 """The function SDK: `@streambox.function(models=[...])` on `def handler(ctx, event)`.
 
-A handler receives a `ctx` (`streambox.api_proxy.client.Context`) and the event (a JSON-able value)
-and returns a JSON-able value. It runs in its own process, forked from the workflow's warm
-template, which never creates a device context: every GPU call (`ctx.infer`, `ctx.put`,
-`ctx.get`, `ctx.upload`, `ctx.download`, and the low-level `alloc`, `free`, `memcpy`, `launch`,
-`synchronize`) is forwarded to the workflow's API proxy and runs on the instance's own stream.
+A handler receives a `ctx` and the event (a JSON-able value) and returns a JSON-able value. `ctx`
+satisfies `Context` (below), one protocol with one set of semantics and timeouts wherever the handler
+runs: behind the API proxy (`api_proxy.client.ProxyContext`: its own process, forked from the
+workflow's warm template, every GPU call forwarded to the proxy and run on the instance's stream; it
+adds the low-level `alloc`, `free`, `memcpy`, `launch`, `plan`), run-local
+(`workflows.local.LocalContext`) or in a monolithic instance (`workflows.monolithic_instance`).
+Handlers type against `streambox.Context`.
 
     import streambox
 
@@ -22,14 +24,59 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from streambox.api_proxy.client import Context, Future
 from streambox.api_proxy.handles import Handle
+
+if TYPE_CHECKING:
+    from streambox.api_proxy.client import Future
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["Context", "Future", "FunctionMeta", "Handle", "function", "meta_of"]
+#: How long `ctx.get` waits for its key's PUT unless told otherwise, in every runtime.
+GET_TIMEOUT_S = 10.0
+
+
+@runtime_checkable
+class Context(Protocol):
+    """A handler's `ctx`, wherever it runs (the same calls, semantics and GET timeout).
+
+    Handles are opaque device-tensor references of the runtime the handler runs in; keys made with
+    `key(name)` are scoped to the request and dropped when it ends. `put` hands the tensor over
+    without a copy (the store owns it afterwards); `get` waits up to `timeout` seconds for the key's
+    PUT, and later work of this invocation waits for the producer's; `synchronize` waits for this
+    invocation's own work only (never the whole device).
+    """
+
+    workflow: str
+    function: str
+    request_id: str
+
+    def key(self, name: str) -> str: ...
+
+    def upload(self, tensor: Any) -> Any: ...
+
+    def download(self, handle: Any) -> Any: ...
+
+    def infer(self, model: str, inputs: Any) -> list[Any]: ...
+
+    def put(self, key: str, handle: Any, consumers: int | None = None, ttl: float | None = None) -> Any: ...
+
+    def get(self, key: str, timeout: float = GET_TIMEOUT_S) -> Any: ...
+
+    def delete(self, key: str) -> Any: ...
+
+    def synchronize(self) -> None: ...
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Future":  # the proxy client's futures (imported on use: it imports this module)
+        from streambox.api_proxy.client import Future
+
+        return Future
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+__all__ = ["GET_TIMEOUT_S", "Context", "Future", "FunctionMeta", "Handle", "function", "meta_of"]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-Handler = Callable[[Any, dict], Any]
+from streambox.sdk import Context
+
+Handler = Callable[[Context, dict], Any]  # every runtime's ctx satisfies `streambox.Context`
 
 
 class HandlerError(ValueError):

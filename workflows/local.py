@@ -32,10 +32,12 @@ import torch
 
 from streambox.api_proxy.device_tensor import DeviceTensor, download_tensor, upload_tensor
 from streambox.api_proxy.executor import DeviceModel, PlanExecutor, StreamPoolAllocator, upload_model
+from streambox.comm.errors import GetTimeout  # one GET-timeout error in every runtime
 from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.zoo import get_entry
+from streambox.sdk import GET_TIMEOUT_S
 
 from .handlers import Handler, resolve_handler
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
@@ -43,12 +45,8 @@ from .spec import WorkflowSpec
 
 SYSTEMS = ("streambox", "stream-only")
 DEFAULT_KEEP_ALIVE_S = 600.0
-DEFAULT_GET_TIMEOUT_S = 30.0
+DEFAULT_GET_TIMEOUT_S = GET_TIMEOUT_S  # the SDK's, as in every runtime
 _ENDED_REMEMBERED = 4096
-
-
-class GetTimeout(TimeoutError):
-    """A GET whose key nobody put in time."""
 
 
 class StoreError(RuntimeError):
@@ -125,7 +123,7 @@ class LocalStore:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise GetTimeout(f"GET of key {key!r} timed out after {timeout:g} s: nothing put it")
+                    raise GetTimeout(key, timeout, "nothing put it")
                 self._cond.wait(left)
             if entry.consumers is None:
                 return entry, False
@@ -234,7 +232,7 @@ class _LocalWorkflow:
 
 
 class LocalContext:
-    """The `ctx` of a handler in run-local mode (the same calls as the function SDK's)."""
+    """The `ctx` of a handler in run-local mode: `streambox.Context`, over this process's device."""
 
     def __init__(self, wf: _LocalWorkflow, function: str, stream: Stream, request_id: str) -> None:
         self._wf = wf
@@ -242,6 +240,7 @@ class LocalContext:
         self._owned: dict[int, DeviceTensor] = {}  # tensors this invocation must free at its end
         self.function = function
         self.request_id = request_id
+        self.workflow = wf.spec.name
 
     def key(self, name: str) -> str:
         """`<workflow>/<request id>/<name>`: a key scoped to this request, dropped when it ends."""
@@ -303,6 +302,10 @@ class LocalContext:
 
     def delete(self, key: str) -> None:
         self._wf.store.delete(key)
+
+    def synchronize(self) -> None:
+        """Wait for this invocation's own work (its stream), not the whole device."""
+        self._stream.synchronize()
 
     def finish(self) -> None:
         """Free what the invocation still owns (stream-ordered) and wait for its stream."""

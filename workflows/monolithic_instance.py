@@ -178,7 +178,7 @@ class RedisStore:
                     self._allocator.free(received.address, stream)  # its consumers were all taken
             left_s = deadline - time.monotonic()
             if left_s <= 0:
-                raise GetTimeout(f"GET of key {key!r} timed out after {timeout:g} s: nothing put it")
+                raise GetTimeout(key, timeout, "nothing put it")
             time.sleep(min(delay, left_s))
             delay = min(delay * 2, GET_POLL_MAX_S)
 

@@ -137,10 +137,10 @@ class ProxyInvoker:
             if wf.proxy is not None and not wf.proxy.alive:
                 raise InvocationError(function, "ProxyError", f"the proxy of {workflow!r} exited") from None
             raise InvocationTimeout(f"{function}: no answer from the proxy of {workflow!r}") from None
-        except FunctionFailed as exc:  # "<type>: <message> (function ..., request ...)\n<traceback>"
-            first, _, tb = str(exc).partition("\n")
-            kind, _, message = first.partition(": ")
-            raise InvocationError(function, kind, message, tb or None) from None
+        except FunctionFailed as exc:  # the handler's error, structured (`errors.with_fields`)
+            f = exc.fields
+            kind, message = f.get("error_type", type(exc).__name__), f.get("message", str(exc))
+            raise InvocationError(function, kind, message, f.get("traceback")) from None
         except ProxyError as exc:
             raise InvocationError(function, type(exc).__name__, str(exc)) from None
         finally:

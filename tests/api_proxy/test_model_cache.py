@@ -9,7 +9,7 @@ import torch
 
 from streambox.api_proxy.device_tensor import download_tensor, upload_tensor
 from streambox.api_proxy.model_cache import ModelCache
-from streambox.api_proxy.proxy_memory import MemoryOptions, ProxyMemory
+from streambox.api_proxy.proxy_memory import MemoryOptions, ProxyMemory, ReclaimingAllocator
 from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import V100_16GB
 from streambox.kernel_compiler.zoo import example_input, get_entry
@@ -161,14 +161,15 @@ def test_idle_weights_are_evicted_under_memory_pressure(pool, tmp_path):
     rt = open_runtime(tmp_path, 64 * MiB)
     try:
         mem = DeviceMemoryPool(rt, PoolConfig(oom_wait_s=0.05))
-        cache = ModelCache(rt, mem, keep_alive_s=3600.0)
-        mem.add_pressure_handler(cache.evict_idle)
+        allocator = ReclaimingAllocator(mem)
+        cache = ModelCache(rt, allocator, keep_alive_s=3600.0)
+        allocator.reclaimers.append(cache.evict_idle)
         s = rt.create_stream()
         plan = plan_of(pool, "resnet18")  # 45 MB of weights
         cache.acquire(plan, s)
         s.synchronize()
         cache.release("resnet18")
-        big = mem.allocate(40 * MiB, s)  # fits only once the idle weights go
+        big = allocator.allocate(40 * MiB, s)  # fits only once the idle weights go
         assert cache.resident() == {} and cache.evictions == 1
         mem.free(big, s)
         cache.close()

@@ -139,7 +139,8 @@ def test_a_new_shape_is_lowered_off_the_dispatcher_once_for_every_call_that_want
             raise RuntimeError("this lowering fails on purpose")
         return lower_module(zoo_model(name), example_input(name, batch, shape), name)
 
-    server.model_pool = ModelPool(tmp_path / "pool", lower_fn=lower)  # nothing on disk: every shape lowers
+    # Nothing on disk: every shape lowers.
+    server.resources.model_pool = ModelPool(tmp_path / "pool", lower_fn=lower)
     with concurrent.futures.ThreadPoolExecutor(4) as calls:
         try:
             new = [
@@ -184,7 +185,7 @@ def test_a_new_shape_is_lowered_off_the_dispatcher_once_for_every_call_that_want
         client.invoke("classify", {"seed": 3, "size": 32}, request_id="after")["output"]["logits"]
         == (old["output"]["logits"])
     )
-    assert server._lowerings == {}
+    assert server.resources.lowerings == {}
 
 
 def test_weights_reloaded_through_the_daemon_are_waited_for_off_the_dispatcher(served, zoo_model, settled):

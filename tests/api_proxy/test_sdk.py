@@ -49,3 +49,32 @@ def test_import_streambox_loads_neither_torch_nor_the_device_layer(tmp_path):
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_every_runtime_context_offers_the_sdk_protocol_with_one_get_timeout():
+    import inspect
+
+    from streambox.api_proxy.client import ProxyContext
+    from streambox.sdk import GET_TIMEOUT_S, Context
+    from streambox.workflows.local import LocalContext
+    from streambox.workflows.monolithic_instance import MonolithicContext
+
+    calls = ("key", "upload", "download", "infer", "put", "get", "delete", "synchronize")
+    for cls in (ProxyContext, LocalContext, MonolithicContext):
+        missing = [name for name in calls if not callable(getattr(cls, name, None))]
+        assert missing == [], f"{cls.__name__} lacks {missing}"
+        assert inspect.signature(cls.get).parameters["timeout"].default == GET_TIMEOUT_S == 10.0
+        put = list(inspect.signature(cls.put).parameters)
+        assert put[:5] == ["self", "key", "handle", "consumers", "ttl"]
+    assert streambox.Context is Context
+
+
+def test_errors_cross_the_wire_structured():
+    from streambox.api_proxy.errors import FunctionFailed, decode_error, encode_error, with_fields
+
+    failed = FunctionFailed("ValueError: bad (function 'f')")
+    sent = with_fields(failed, error_type="ValueError", message="bad")
+    got = decode_error(encode_error(sent))
+    assert isinstance(got, FunctionFailed)
+    assert got.fields == {"error_type": "ValueError", "message": "bad"}
+    assert decode_error(["KeyNotFound", "GET 'k'"]).fields == {}  # the two-field form still decodes

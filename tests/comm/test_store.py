@@ -460,3 +460,20 @@ def test_data_on_host_moves_back_to_its_reader_when_more_reads_follow(make_store
     assert store.usage()[HOST] == 0
     with store.get("k", device=1) as last:
         assert torch.equal(read(store, last), data(1000))
+
+
+def test_watch_calls_back_once_after_the_keys_put_at_once_if_present_and_can_be_cancelled(make_store):
+    store = make_store()
+    seen: list[str] = []
+    store.watch("w/a", lambda: seen.append("a"))
+    cancel = store.watch("w/b", lambda: seen.append("b"))
+    cancel()
+    store.put("w/b", torch.ones(4), device=0)
+    assert seen == []  # cancelled before the PUT
+    store.put("w/a", torch.ones(4), device=0)
+    assert seen == ["a"]
+    store.delete("w/a")
+    store.put("w/a", torch.ones(4), device=0)
+    assert seen == ["a"]  # one-shot
+    store.watch("w/a", lambda: seen.append("again"))  # present now: called at once
+    assert seen == ["a", "again"]

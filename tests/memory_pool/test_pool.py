@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from streambox.device.base import InvalidAddress, OutOfDeviceMemory
 from streambox.device.emulated import EmulatedBackend
 from streambox.memory_pool.metrics import PoolMetrics
-from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig, PoolOutOfMemory, chunk_size_for
+from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig, PoolOutOfMemory, Reclaim, chunk_size_for
 
 from .conftest import small_spec
 
@@ -167,23 +167,31 @@ def test_scattered_free_chunks_go_back_to_the_device_for_a_large_request(runtime
     pool.free(big, s)
 
 
-def test_pressure_handlers_are_asked_before_failing(runtime) -> None:
+def test_the_pool_asks_for_a_reclaim_and_goes_on_after_it(runtime) -> None:
     pool = DeviceMemoryPool(runtime, PoolConfig(oom_wait_s=0.05))
     s = runtime.create_stream()
     cached = pool.allocate(40 * MiB, s)
-    asked = []
-
-    def evict(nbytes: int) -> int:
-        asked.append(nbytes)
-        if len(asked) > 1:
-            return 0
-        pool.free(cached, None)  # e.g. idle weights: no device work reads them
-        return 40 * MiB
-
-    pool.add_pressure_handler(evict)
-    x = pool.allocate(50 * MiB, s)
-    assert asked == [50 * MiB] and pool.demand_bytes == 50 * MiB
+    need = pool.try_allocate(50 * MiB, s)  # grows fail: the pool says what it needs, holding nothing
+    assert isinstance(need, Reclaim) and need.nbytes == 50 * MiB
+    assert pool.demand_bytes == 40 * MiB and pool.counters.pressure_trims == 1
+    pool.free(cached, None)  # the caller reclaims (e.g. idle weights: no device work reads them)
+    x = pool.try_allocate(50 * MiB, s, resume=need)
+    assert isinstance(x, int) and pool.demand_bytes == 50 * MiB
     pool.free(x, s)
+
+
+def test_a_reclaim_that_frees_nothing_is_asked_again_after_each_wait_then_fails(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(oom_wait_s=0.05))
+    s = runtime.create_stream()
+    held = pool.allocate(40 * MiB, s)
+    asked = 0
+    got = pool.try_allocate(50 * MiB, s)
+    with pytest.raises(PoolOutOfMemory, match="requested 52428800 bytes"):
+        while isinstance(got, Reclaim):
+            asked += 1
+            got = pool.try_allocate(50 * MiB, s, resume=got)
+    assert asked >= 2 and pool.counters.out_of_memory == 1
+    pool.free(held, s)
 
 
 def test_an_allocation_waits_boundedly_for_frees_in_flight(runtime) -> None:

@@ -70,7 +70,8 @@ def test_get_of_a_missing_key_times_out_with_the_key(make_invoker, run):
     (result,), _ = run(serve_requests(make_invoker(), text, [{"key": "someone/else"}]))
     assert (
         result.error
-        == "c failed: GetTimeout: GET of key 'someone/else' timed out after 0.2 s: nothing put it"
+        == "c failed: GetTimeout: GET 'someone/else': no data under this key after waiting 0.2 s "
+        "(nothing put it)"
     )
 
 

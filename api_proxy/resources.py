@@ -1,0 +1,283 @@
+"""What the proxy's requests hold on the device, and the waits an op may need before it acts.
+
+`Resources` is the device side the forwarded ops work on: the runtime, `ProxyMemory` (pool, executor,
+shared weights), the IO daemon, the communication store, the table of nameable buffers (`BufferTable`:
+who holds what), the loaded plans and the helper pools for slow work. It checks every handle a function
+names (`tensor`), registers and frees buffers (request-scoped), and ends an invocation.
+
+Slow work never runs on the dispatcher: the helpers `plan_for`, `weights` and `uploads_issued` are
+generators that *yield* an `Offload` (a future run on a helper thread) when they must wait, so the op
+that calls them (`yield from`) is suspended there and resumed where it stopped (`calls.Calls`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Generator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from streambox.comm import CommStore
+from streambox.comm.errors import GetTimeout
+from streambox.device import Event, Runtime, Stream
+from streambox.io_daemon import CopyRequest, IODaemon
+from streambox.kernel_compiler.model_pool import ModelPool
+from streambox.kernel_compiler.plan import KernelPlan
+from streambox.kernel_compiler.zoo import get_entry
+
+from .buffers import BufferTable
+from .device_tensor import DeviceTensor
+from .errors import IsolationError, UnknownHandle, UnknownModel
+from .handles import DTYPES, Handle, contiguous_strides
+from .proxy_config import FunctionSpec
+from .proxy_memory import ProxyMemory
+from .state import Instance, Invocation
+from .waits import Offload, Wait
+
+PlanKey = tuple[str, int, tuple[int, ...]]
+
+
+def torch_dtype(name: Any) -> torch.dtype:
+    if name not in DTYPES:
+        raise TypeError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return getattr(torch, name)
+
+
+class _Held:
+    """One user of a model's weights, let go on exit (`with (yield from res.weights(plan)):`)."""
+
+    def __init__(self, resources: Resources | None, model: str = "") -> None:
+        self._resources, self._model = resources, model
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        if self._resources is not None:
+            self._resources.memory.models.release(self._model)
+
+
+class Resources:
+    def __init__(
+        self,
+        workflow: str,
+        runtime: Runtime,
+        memory: ProxyMemory,
+        io: IODaemon,
+        store: CommStore,
+        model_pool: ModelPool,
+        *,
+        model_shapes: str,
+        post: Callable[[Callable[[], None]], None],
+    ) -> None:
+        self.workflow, self.runtime, self.memory, self.io, self.store = workflow, runtime, memory, io, store
+        self.model_pool = model_pool
+        self.model_shapes = model_shapes
+        self._post = post  # runs a function on the dispatcher (from any thread)
+        self.buffers = BufferTable()
+        self.service = runtime.create_stream()  # frees of buffers that outlive their holders
+        self.plans: dict[PlanKey, KernelPlan] = {}
+        self.lowerings: dict[PlanKey, Future[KernelPlan]] = {}
+        # Work the dispatcher must not wait for: plans read or lowered, weights issued by the daemon.
+        self._lower_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="streambox-lower")
+        self._wait_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="streambox-issue")
+        self.closing = False
+
+    def close(self) -> None:
+        self.closing = True  # waits for the daemon give up; a lowering in progress finishes unheard
+        self._wait_pool.shutdown(wait=True, cancel_futures=True)
+        self._lower_pool.shutdown(wait=False, cancel_futures=True)
+
+    def record(self, stream: Stream) -> Event:
+        event = self.runtime.create_event(timing=False)
+        event.record(stream)
+        return event
+
+    # -- plans and weights ---------------------------------------------------------------------
+    def load(self, model: str, batch: int, shape: tuple[int, ...] | None = None) -> KernelPlan:
+        """The plan of (model, batch, input shape without the batch; None: the configured default
+        shape), its weights resident. A plan the model pool lacks is lowered here, once (blocking:
+        for start-up; at serve time `plan_for` reads or lowers plans on a helper thread)."""
+        if shape is None:
+            entry = get_entry(model)  # UnknownModelError names the zoo's models
+            small = entry.small_input_shape if self.model_shapes == "small" else None
+            shape = tuple(small or entry.input_shape)
+        key = (model, batch, tuple(shape))
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.model_pool.get_or_lower(model, batch, tuple(shape))
+            weights = self.memory.models.acquire(plan, self.service)
+            del weights
+            self.memory.models.release(plan.model, after=self.record(self.service))
+            self.plans[key] = plan
+        return plan
+
+    def function_plan(self, spec: FunctionSpec, model: str) -> KernelPlan:
+        if model not in spec.models:
+            raise UnknownModel(
+                f"function {spec.name!r} declared models {list(spec.models)}; {model!r} is not among them"
+            )
+        return self.load(model, spec.batch)
+
+    def plan_for(self, model: str, batch: int, shape: tuple[int, ...]) -> Generator[Wait, Any, KernelPlan]:
+        """The plan of (model, batch, shape): the proxy's, else read from the model pool or lowered on
+        a helper thread (once however many calls want it) while the caller waits."""
+        key = (model, batch, shape)
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan
+        future = self.lowerings.get(key)
+        if future is None:
+            future = self._lower_pool.submit(self.model_pool.get_or_lower, model, batch, shape)
+            self.lowerings[key] = future
+            future.add_done_callback(lambda f: self._post(lambda: self._lowered(key, f)))
+        shape_text = "x".join(map(str, shape))
+        plan = yield Offload(future, f"lowering {model} for batch {batch}, input shape {shape_text}")
+        return self.plans.setdefault(key, plan)
+
+    def _lowered(self, key: PlanKey, future: Future[KernelPlan]) -> None:
+        if self.lowerings.get(key) is future:
+            del self.lowerings[key]  # a failed one is tried again by the next call that wants it
+        if future.exception() is None:
+            self.plans.setdefault(key, future.result())
+
+    def weights(self, plan: KernelPlan) -> Generator[Wait, Any, _Held]:
+        """Wait (off the dispatcher) until the weights of `plan` are resident and issued by the daemon;
+        the caller then holds one user of them until it leaves the returned context."""
+        models = self.memory.models
+        if not models.would_block(plan):
+            return _Held(None)
+        future = self._wait_pool.submit(models.hold_issued, plan, lambda: self.closing)
+        try:
+            yield Offload(future, f"loading the weights of {plan.model}")
+        except GeneratorExit:  # the call was dropped (its instance died) after the hold was taken
+            if future.done() and future.exception() is None:
+                models.release(plan.model)
+            raise
+        return _Held(self, plan.model)
+
+    # -- uploads ---------------------------------------------------------------------------------
+    def _wait_issued(self, tickets: list[Any]) -> None:
+        """On a helper thread: until the daemon has issued every block of `tickets` (or failed them:
+        the call that goes on meets the error)."""
+        for ticket in tickets:
+            while not self.closing:
+                try:
+                    ticket.last_event(timeout=0.2)
+                except TimeoutError:
+                    continue
+                except Exception:  # noqa: BLE001 - the ticket's error, raised where the call uses it
+                    pass
+                break
+
+    def uploads_issued(self, inst: Instance) -> Generator[Wait, Any, None]:
+        """Wait until the daemon has issued the instance's uploads, then make the stream wait for them."""
+        pending = [t for t in inst.gates if not t.issued and t.error is None]
+        if pending:
+            yield Offload(self._wait_pool.submit(self._wait_issued, pending), "uploading the inputs")
+        gates, inst.gates = inst.gates, []
+        for ticket in gates:
+            ticket.wait_all(inst.stream)
+
+    # -- buffers ---------------------------------------------------------------------------------
+    def handle(self, t: DeviceTensor) -> Handle:
+        dtype = str(t.dtype).removeprefix("torch.")
+        return Handle(self.workflow, t.address, dtype, tuple(t.shape), tuple(t.strides), t.nbytes)
+
+    def alloc(self, inst: Instance, dtype: torch.dtype, shape: tuple[int, ...]) -> DeviceTensor:
+        if any(d < 0 for d in shape):
+            raise ValueError(f"negative dimension in shape {shape}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        address = self.memory.allocator.allocate(max(nbytes, 1), inst.stream)
+        return DeviceTensor(address, dtype, shape, contiguous_strides(shape), nbytes)
+
+    def upload(self, inst: Instance, inv: Invocation, payload: Any) -> DeviceTensor:
+        dtype_name, shape, data = payload
+        dtype = torch_dtype(dtype_name)
+        shape = tuple(int(d) for d in shape)
+        t = self.alloc(inst, dtype, shape)
+        if len(data) != t.nbytes:
+            self.memory.pool.free(t.address, inst.stream)
+            raise ValueError(f"tensor of {dtype_name}{list(shape)} needs {t.nbytes} bytes, got {len(data)}")
+        if t.nbytes:
+            host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            # stream: where stream-only mode issues the copy (the daemon's own ring and stream otherwise)
+            inst.gates.append(
+                self.io.submit(inst.key, [CopyRequest(t.address, host, t.nbytes)], stream=inst.stream)
+            )
+        self.register(t, inv)
+        return t
+
+    def tensor(self, inv: Invocation, obj: Any) -> DeviceTensor:
+        """The live buffer a function's handle names (held by `inv` from now on), or a clear refusal."""
+        h = Handle.from_wire(obj)
+        if h.workflow != self.workflow:
+            raise IsolationError(
+                f"handle {h.address:#x} belongs to workflow {h.workflow!r}; the proxy of workflow "
+                f"{self.workflow!r} refuses it"
+            )
+        buf = self.buffers.get(h.address)
+        if buf is None:
+            raise UnknownHandle(
+                f"handle {h.address:#x} names no live buffer of workflow {self.workflow!r} "
+                f"(freed, or never allocated here)"
+            )
+        itemsize = DTYPES[h.dtype]
+        extent = sum((d - 1) * s for d, s in zip(h.shape, h.strides, strict=True))
+        span = 0 if h.numel == 0 else itemsize * (1 + extent)
+        if span > buf.nbytes or h.nbytes > buf.nbytes or min(h.strides, default=0) < 0:
+            raise UnknownHandle(
+                f"handle {h.address:#x} claims {max(span, h.nbytes)} bytes; the buffer has {buf.nbytes}"
+            )
+        self.buffers.hold(h.address, inv.holder)
+        return DeviceTensor(h.address, torch_dtype(h.dtype), h.shape, h.strides, h.nbytes)
+
+    def register(self, t: DeviceTensor, inv: Invocation) -> Handle:
+        self.buffers.add(t.address, t.nbytes, t, inv.holder)
+        return self.handle(t)
+
+    def release(self, address: int, holder: Any, event: Event | None, *, fence: bool = True) -> bool:
+        """`holder` lets go of a buffer; the last one frees it (on the service stream, after the
+        events its holders left). True if freed."""
+        buf = self.buffers.release(address, holder, event)
+        if buf is None or buf.external:
+            return False
+        stream = self.service
+        for e in buf.events:
+            stream.wait_event(e)
+        self.memory.pool.free(address, stream)
+        if fence:
+            self.memory.pool.fence(stream)
+        return True
+
+    def take(self, inst: Instance, inv: Invocation, key: str, device: int) -> Handle | None:
+        """One GET served now (the caller's stream waits for the producer), or None if not there yet."""
+        try:
+            h = self.store.get(key, device=device, timeout=0.0, owner=inst.key)
+        except GetTimeout:
+            return None
+        h.wait(inst.stream)
+        inv.leases.append(h)
+        t = DeviceTensor(h.address, h.dtype, tuple(h.shape), tuple(h.strides), h.nbytes)
+        buf = self.buffers.get(h.address)
+        if buf is not None and buf.external:
+            self.buffers.hold(h.address, inv.holder)
+        else:
+            self.buffers.add(h.address, h.nbytes, t, inv.holder, external=True)
+        return self.handle(t)
+
+    def end_invocation(self, inv: Invocation, inst: Instance, event: Event | None) -> None:
+        """The request is over: free the buffers it made (not PUT) and hand back the store's leases,
+        both after the work issued on the instance's stream so far."""
+        if event is None:
+            event = self.record(inst.stream)
+        freed = [self.release(a, inv.holder, event, fence=False) for a in self.buffers.held_by(inv.holder)]
+        if any(freed):
+            self.memory.pool.fence(self.service)
+        for lease in inv.leases:
+            with contextlib.suppress(Exception):
+                lease.release(inst.stream)
+        inv.leases.clear()

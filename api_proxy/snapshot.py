@@ -1,0 +1,47 @@
+"""The proxy's `stats` reply: counters, instances per function, device and pool memory, settings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .proxy import ProxyServer
+
+
+def snapshot(server: ProxyServer) -> dict[str, Any]:
+    free, total = server.runtime.memory_info()
+    pool = server.memory.pool
+    res = server.resources
+    s = server.stats
+    return {
+        "workflow": server.workflow,
+        "functions": server.lifecycle.scheduler.summary(),
+        "invocations": s.invocations,
+        "failures": s.failures,
+        "cold_starts": s.cold_starts,
+        "instances_started": s.instances_started,
+        "instances_stopped": s.instances_stopped,
+        "instances_died": s.instances_died,
+        "protocol_errors": s.protocol_errors,
+        "calls": s.calls,
+        "cold_start_s": s.cold_start_s[-256:],
+        "device": {
+            "index": server.config.device,
+            "runtime_bytes": server.runtime.allocated_bytes(),
+            "used_bytes": total - free,
+            "total_bytes": total,
+        },
+        "pool": {"reserved_bytes": pool.reserved_bytes, "allocated_bytes": pool.allocated_bytes},
+        "keys": len(server.store.keys()),
+        "buffers": len(res.buffers),
+        # Streams of dropped instances not destroyed yet, and streams the pool holds frees for.
+        "retiring_streams": server.lifecycle.retiring,
+        "pool_tracked_streams": len(pool.tracked_streams()),
+        "buffer_bytes": res.buffers.nbytes,
+        "models_resident_bytes": server.memory.models.resident_bytes,
+        "models": {"loads": server.memory.models.loads, "evictions": server.memory.models.evictions},
+        "io": asdict(server.io.stats),
+        "settings": server.config.settings(),  # the mechanisms this run used, defaults resolved
+        "timings": server.timings,
+    }
