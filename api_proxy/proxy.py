@@ -42,7 +42,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from streambox.comm import CommStore, StoreConfig
+from streambox.comm import CommStore
 from streambox.config import Config
 from streambox.io_daemon import IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
@@ -55,7 +55,7 @@ from .errors import FunctionCrashed, ProxyError, encode_error
 from .lifecycle import Lifecycle
 from .ops import OPS, CallContext
 from .proxy_config import ProxyConfig
-from .proxy_memory import MemoryOptions, ProxyMemory, ReclaimingAllocator
+from .proxy_memory import ProxyMemory, ReclaimingAllocator
 from .resources import Resources
 from .shm_ring import private_dir
 from .snapshot import snapshot
@@ -142,13 +142,7 @@ class ProxyServer:
         """The runtime, the IO daemon, the memory side and the store (the system's mechanisms, each
         switchable per run: `ProxyConfig.settings()`)."""
         cfg = self.config
-        device = Config.from_env().with_overrides(
-            backend=cfg.backend,
-            device_preset=cfg.device_preset,
-            gpus=cfg.gpus,
-            state_dir=Path(cfg.state_dir) if cfg.state_dir else None,
-            model_pool=Path(cfg.model_pool) if cfg.model_pool else None,
-        )
+        device = cfg.device_config()
         self.backend = device.open_backend()
         t = _now()
         self.runtime = self.backend.open_runtime(cfg.device)
@@ -157,12 +151,7 @@ class ProxyServer:
             getattr(self.backend, "spec", None), "context_create_s", 0.0
         )
         self.io = IODaemon(self.runtime, cfg.daemon_config())
-        options = MemoryOptions(
-            mode=cfg.resolved_pool_mode,
-            keep_alive_s=cfg.resolved_weights_keep_alive_s,
-            recycler=cfg.resolved_recycler,
-        )
-        self.memory = ProxyMemory(self.runtime, options, daemon=self.io).start()
+        self.memory = ProxyMemory(self.runtime, cfg.memory_options(), daemon=self.io).start()
         # The store's capacity: a fraction of the idle memory the pool's demand model predicts over
         # the window. It allocates from the pool (it fences and retires its own streams' frees).
         store_idle = PoolIdleMemory(self.memory.pool, self.memory.board, self.memory.scaler)
@@ -174,7 +163,7 @@ class ProxyServer:
             {cfg.device: store_allocator},
             node=f"proxy-{cfg.workflow}",
             idle={cfg.device: store_idle},
-            config=StoreConfig(),
+            config=cfg.store_config(),  # PA and AM as switched, the `store` group's knobs
             clock=_now,  # the position board's clock, which the prediction compares `now` with
         )
         store_idle.store_bytes = lambda: store.usage()[cfg.device]

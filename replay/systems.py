@@ -223,10 +223,8 @@ def _proxy_invoker(system: str) -> Callable[[Config, WorkflowOptions, dict[str, 
         from streambox.workflows.proxy_invoker import ProxyInvoker
 
         # The proxy loads its models at start for the shapes the requests will bring.
-        # device_mode rides along until `proxy_config_for` copies it from the Config.
         proxy_options = {
             "model_shapes": options.inputs,
-            "device_mode": config.device_mode,
             **_proxy_options(system, rest),
         }
         return ProxyInvoker(

@@ -91,12 +91,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     inputs = inputs_from(args)
     config = _config(args)
-    # device_mode rides with the proxy options until `proxy_config_for` copies it from the Config.
-    options = {"model_shapes": inputs, "device_mode": config.device_mode, **proxy_options_from(args)}
+    options = {"model_shapes": inputs, **proxy_options_from(args)}
     if args.system == "monolithic":
         from streambox.workflows.monolithic import MonolithicInvoker
 
-        proxy_only = sorted(set(options) - {"model_shapes", "device_mode"})
+        proxy_only = sorted(set(options) - {"model_shapes"})
         if proxy_only:
             raise ValueError(f"--system monolithic has no proxy; drop {', '.join(proxy_only)}")
         factory = MonolithicInvoker.factory(model_shapes=inputs)

@@ -599,10 +599,8 @@ def cmd_burst(args: argparse.Namespace) -> int:
                 via=args.via,
                 system=args.system,
                 config=config,
-                # device_mode rides along until `proxy_config_for` copies it from the Config.
                 proxy_options={
                     "model_shapes": inputs,
-                    "device_mode": config.device_mode,
                     **proxy_options_from(args),
                 },
             )

@@ -56,6 +56,7 @@ def proxy_config_for(spec: WorkflowSpec, config: Config, system: str, **options:
         backend=config.backend,
         device_preset=config.device_preset,
         gpus=config.gpus,
+        device_mode=config.device_mode,
         state_dir=str(config.state_dir) if config.state_dir is not None else None,
         model_pool=str(config.model_pool),
         **options,

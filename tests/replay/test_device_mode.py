@@ -29,7 +29,7 @@ def test_the_command_line_replays_in_timed_mode_unless_told_otherwise(tmp_path, 
     config = json.loads((tmp_path / "timed" / "config.json").read_text())
     assert config["device_mode"] == "timed"
     assert config["config"]["slo_ms"] == 200.0  # the paper's SLO
-    # (--device-mode is a device option of the systems that open a device: tests/replay/test_replay_options.py)
+    # (--device-mode is an option of the systems that open a device: tests/replay/test_replay_options.py)
     monkeypatch.setenv(ENV_DEVICE_MODE, "functional")  # the environment chooses when no flag does
     assert main(["replay", *CLI_FAST, "--out", str(tmp_path / "env")]) == 0
     assert json.loads((tmp_path / "env" / "config.json").read_text())["device_mode"] == "functional"
@@ -38,8 +38,8 @@ def test_the_command_line_replays_in_timed_mode_unless_told_otherwise(tmp_path, 
 def test_the_run_exports_its_mode_while_it_lasts(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_DEVICE_MODE, raising=False)
     double = ModeRecordingDouble()
-    run_replay(None, system="x", out=tmp_path / "x", target=double, system_options={"device_mode": "functional"},
-               **FAST)
+    chosen = {"device_mode": "functional"}
+    run_replay(None, system="x", out=tmp_path / "x", target=double, system_options=chosen, **FAST)
     assert double.mode_at_start == "functional"
     assert ENV_DEVICE_MODE not in os.environ  # restored
     default = ModeRecordingDouble()
