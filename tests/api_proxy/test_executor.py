@@ -193,6 +193,40 @@ def test_a_warm_instance_keeps_its_registrations_and_holds_nothing_between_runs(
     assert executor.release_instance("f1") == 0 and executor.instances() == []
 
 
+def test_a_warm_instance_calls_what_it_bound_and_binds_again_after_the_pool_gave_memory_back(
+    pool, zoo_model, runtime
+):
+    name = "resnet18"
+    shape = get_entry(name).small_input_shape
+    plan = pool.get_or_lower(name, 1, shape)
+    stream = runtime.create_stream()
+    weights = StreamPoolAllocator(runtime)  # weights and input elsewhere: the pool holds activations only
+    model = upload_model(runtime, plan, weights, stream)
+    x = example_input(name, 1, shape)
+    handle = upload_tensor(runtime, x, weights.allocate, stream)
+    mem = DeviceMemoryPool(runtime)
+    executor = PlanExecutor(runtime, mem)
+    want = _eager(zoo_model, name, x)[0]
+    binds, trimmed = [], 0
+    for i in range(7):
+        if i == 3:  # every chunk goes back to the device: the next run's buffers are new memory
+            mem.drain()
+            trimmed = mem.trim_to(0)
+        result = executor.run(model, {"x": handle}, stream, instance="f1")
+        got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+        torch.testing.assert_close(got, want, **_tolerance(torch.float32))
+        binds.append(executor.calls_bound("f1"))
+        mem.free_many([t.address for t in result.outputs.values()], stream)
+    compute = sum(k.kind != "view" for k in plan.kernels)
+    assert trimmed > 0
+    # The first run binds every call; a warm run gets most of its addresses back (the pool hands the
+    # stream its own frees first) and calls what it bound; after the trim every call is bound again
+    # (a tensor over a released chunk is never reused).
+    assert binds[0] == binds[3] == compute, binds
+    warm = [binds[i] - binds[i - 1] for i in (1, 2, 4, 5, 6)]
+    assert all(b < compute // 2 for b in warm), binds
+
+
 @pytest.mark.parametrize("mode", ["static", "fm"])
 def test_a_crashed_run_releases_everything_and_the_next_one_succeeds(mode, pool, zoo_model, runtime):
     plan, mem, stream, model, x, handle = _setup(pool, runtime)
