@@ -406,7 +406,7 @@ class PlanExecutor:
         try:
             with state.lock:
                 calls = self._calls_for(state, model)
-            run_inputs = RunInputs({name: t.view(self.runtime) for name, t in inputs.items()})
+            run_inputs = RunInputs(inputs)
             if profile:
                 result._events.append(self._record(stream))
             self._issue(instance, state, model, calls, run_inputs, inputs, stream, cu_cap, on_kernel, result)

@@ -27,6 +27,8 @@ from streambox.kernel_compiler.argcodec import var_names
 from streambox.kernel_compiler.ops import bind_kernel, invoke_kernel
 from streambox.kernel_compiler.plan import Kernel, KernelPlan, VarSpec
 
+from .device_tensor import DeviceTensor
+
 #: Threads per block times elements per thread of a typical elementwise kernel: the emulated grid size.
 ELEMENTS_PER_BLOCK = 1024
 
@@ -120,9 +122,10 @@ class PlanProgram:
 
 
 class RunInputs(NamedTuple):
-    """What one run gives its kernels' binding: the caller's input tensors (views made at issue)."""
+    """What one run gives its kernels' binding: the caller's input tensors (handles; a view is made
+    only when a call reading the input is bound, so a warm run makes none)."""
 
-    tensors: Mapping[str, torch.Tensor]
+    handles: Mapping[str, DeviceTensor]
 
 
 class KernelCalls:
@@ -177,14 +180,15 @@ class KernelCalls:
         spec = self.program.specs[name]
         if spec.kind == "weight":
             return self.weights[name]
-        if spec.kind == "input":
-            return run.tensors[name]
         address = address_of.get(spec.base if spec.base is not None else name)  # None: a weight's view
         tensor = self._tensors.get((name, address)) if self.reuse else None
         if tensor is not None:
             return tensor
         if len(self._tensors) >= self._tensor_limit:
             self._tensors.clear()
+        if spec.kind == "input":  # the caller's layout, which need not be the plan's
+            tensor = self._tensors[(name, address)] = run.handles[name].view(self.runtime)
+            return tensor
         if spec.base is None:  # a managed storage variable: a view over its device bytes
             dtype, shape, strides = self.program.dtypes[name], tuple(spec.shape), tuple(spec.strides)
             tensor = self._tensors[(name, address)] = self.runtime.view(address, dtype, shape, strides)
