@@ -443,18 +443,13 @@ class PlanExecutor:
         the buffer at the last), launch it with its addresses, free what it spent. Everything else
         was decided once per plan (`PlanProgram`) or per instance (`_Instance.rows`)."""
         program, table, lock, rows = model.program, state.table, state.lock, state.rows
-        stats, events, timed = result.stats, result._events, result._timed
-        allocate, free_batch, launch = self.allocator.allocate, self._free_batch, self.runtime.launch
-        touch, reclaim = table.touch, table.reclaim
+        events, timed = result._events, result._timed
+        alloc = partial(self.allocator.allocate, stream=stream)
+        free_batch, launch, touch, reclaim = self._free_batch, self.runtime.launch, table.touch, table.reclaim
         recycle_here = self.eager_recycling and self.recycler == "kernel"
         board, generation, name, batch = self.positions, self._generation, model.plan.model, model.plan.batch
         input_address = {n: t.address for n, t in inputs.items()}
-        profile = bool(events)
-
-        def alloc(nbytes: int) -> int:
-            stats.allocations += 1
-            return allocate(nbytes, stream)
-
+        profile, peak, allocations = bool(events), 0, table.allocations
         if not self.lazy:
             with lock:
                 table.materialize(instance, alloc)
@@ -465,8 +460,7 @@ class PlanExecutor:
                 on_kernel(k.index, k.kernel)
             with lock:  # access -> launch is atomic for the background recycler
                 addresses = touch(rows[k.index], alloc)
-                if table.held_bytes > stats.peak_live_bytes:
-                    stats.peak_live_bytes = table.held_bytes
+                peak = max(peak, table.held_bytes)
                 if k.compute:
                     if k.inputs:
                         addresses.extend(input_address[n] for n in k.inputs)
@@ -475,13 +469,15 @@ class PlanExecutor:
                     # costmodel: pass `duration_s=k.duration_s` (timed mode) here.
                     launch(stream, partial(calls.call, run_inputs, k.index, addresses),
                            blocks=k.blocks, cu_cap=cu_cap, name=k.kernel.name)
-                    stats.kernels += 1
                     if profile:
                         events.append(self._record(stream))
                         timed.append(k.index)
                 spent = reclaim() if recycle_here else None
             if spent:
                 free_batch([h.address for h in spent], stream)
+        result.stats.kernels = program.compute_kernels
+        result.stats.peak_live_bytes = peak
+        result.stats.allocations = table.allocations - allocations
 
     @staticmethod
     def _take_outputs(instance: Hashable, state: _Instance, program: PlanProgram) -> dict[str, DeviceTensor]:

@@ -92,6 +92,7 @@ class MappingTable:
         self._pending: dict[Key, MappingEntry] = {}  # reached expected count, not yet reclaimed
         self._held_bytes = 0
         self._peak_held_bytes = 0
+        self.allocations = 0  # buffers allocated so far (first accesses and `materialize`)
 
     # -- registration ---------------------------------------------------------------------------
     def register(
@@ -159,6 +160,7 @@ class MappingTable:
             address = entry.address
             if address is None:
                 address = entry.address = allocate(entry.nbytes)
+                self.allocations += 1
                 self._held_bytes += entry.nbytes
                 if self._held_bytes > self._peak_held_bytes:
                     self._peak_held_bytes = self._held_bytes
@@ -236,6 +238,7 @@ class MappingTable:
         for entry in self._by_instance.get(instance, {}).values():
             if entry.address is None and not entry.recycled:
                 entry.address = allocate(entry.nbytes)
+                self.allocations += 1
                 self._held_bytes += entry.nbytes
                 total += entry.nbytes
         if self._held_bytes > self._peak_held_bytes:
