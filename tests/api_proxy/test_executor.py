@@ -312,3 +312,43 @@ def test_plan_kernel_seconds_are_stored_in_the_memory_profile(pool, runtime):
         sum(profile.runtime_s)
     )
     assert runtime.allocated_bytes() == 0
+
+
+# --- the same fast path on the CUDA backend (torch ops under the instance's stream) ---------------
+
+
+@pytest.mark.gpu
+def test_the_executor_on_the_cuda_backend_matches_eager_torch_and_reuses_its_calls(pool, zoo_model):
+    from streambox.device import cuda
+    from streambox.device.base import BackendUnavailable
+
+    try:
+        backend = cuda.CudaBackend()
+    except BackendUnavailable as exc:
+        pytest.skip(f"no usable GPU: {exc}")
+    name = "resnet18"
+    shape = get_entry(name).small_input_shape
+    plan = pool.get_or_lower(name, 1, shape)
+    x = example_input(name, 1, shape)
+    want = _eager(zoo_model, name, x)[0]
+    with backend.open_runtime(0) as rt:
+        mem = DeviceMemoryPool(rt)
+        stream = rt.create_stream()
+        model = upload_model(rt, plan, mem, stream)
+        handle = upload_tensor(rt, x, mem.allocate, stream)
+        executor = PlanExecutor(rt, mem)
+        binds = []
+        for _ in range(3):
+            result = executor.run(model, {"x": handle}, stream, instance="f1")
+            got = download_tensor(rt, result.outputs[plan.outputs[0]], stream)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # cuDNN, not the CPU's kernels
+            assert result.stats.peak_live_bytes == profile_plan(plan).peak_eager
+            binds.append(executor.calls_bound("f1"))
+            mem.free_many([t.address for t in result.outputs.values()], stream)
+        compute = sum(k.kind != "view" for k in plan.kernels)
+        assert binds[0] == compute and binds[2] - binds[1] < compute // 2, binds
+        executor.release_instance("f1")
+        mem.free(handle.address, stream)
+        free_model(model, mem, stream)
+        mem.drain()
+        mem.close()
