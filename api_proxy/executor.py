@@ -4,9 +4,14 @@ The executor walks a plan in order. Every storage variable the run manages (inte
 outputs) is registered in a `MappingTable` (one per function instance) with the plan's expected
 access count. For each kernel the executor asks the table for the addresses of the variables the
 kernel touches -- the table allocates a variable at its first access (lazy allocation) and counts
-one access per touch -- builds tensor views, launches the kernel on the stream, and hands the
+one access per touch -- launches the kernel's call for those addresses on the stream, and hands the
 buffers whose count is reached back to the allocator (eager recycling). Frees are stream-ordered, so
 a buffer returns to the allocator only after the kernels issued before the free have run.
+
+What a static plan decides once (ops, arguments, the rows each kernel touches, grids) is resolved
+once per plan (`plan_program.PlanProgram`), and a kernel's call with its tensors in place is bound
+once per instance and address set (`plan_program.KernelCalls`), so the hot loop (`_issue`) only
+counts, allocates, launches and frees (docs/api_proxy.md, "The plan executor").
 
 The pool mode decides the mechanisms (`PlanExecutor.for_mode`): `static` allocates every variable up
 front and frees them at the end of the run; `fm` and `fm+rs` allocate lazily and recycle eagerly.
@@ -500,7 +505,8 @@ class PlanExecutor:
         return state.table.reset_instance(instance)
 
     def _finish(self, instance: Hashable, state: _Instance, held: list[HeldBuffer], stream: Stream) -> Event:
-        free_all(self.allocator, [h.address for h in held], stream)
+        if held:
+            free_all(self.allocator, [h.address for h in held], stream)
         done = self._record(stream)
         fence = getattr(self.allocator, "fence", None)
         if fence is not None:
