@@ -409,12 +409,9 @@ class PlanExecutor:
         instance, state = self._enter(instance, program, stream)
         result = RunResult({}, RunStats(), None, instance, _plan_kernels=len(plan.kernels))  # type: ignore[arg-type]
         try:
-            with state.lock:
-                calls = self._calls_for(state, model)
-            run_inputs = RunInputs(inputs)
             if profile:
                 result._events.append(self._record(stream))
-            self._issue(instance, state, model, calls, run_inputs, inputs, stream, cu_cap, on_kernel, result)
+            self._issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
             with state.lock:
                 result.outputs.update(self._take_outputs(instance, state, program))
                 leftovers = self._end_run(instance, state)
@@ -436,8 +433,6 @@ class PlanExecutor:
         instance: Hashable,
         state: _Instance,
         model: DeviceModel,
-        calls: KernelCalls,
-        run_inputs: RunInputs,
         inputs: Mapping[str, DeviceTensor],
         stream: Stream,
         cu_cap: int | None,
@@ -445,9 +440,12 @@ class PlanExecutor:
         result: RunResult,
     ) -> None:
         """The hot loop: per kernel, count its accesses (the table allocates at the first and queues
-        the buffer at the last), launch it with its addresses, free what it spent. Everything else
-        was decided once per plan (`PlanProgram`) or per instance (`_Instance.rows`)."""
+        the buffer at the last), launch its call for those addresses, free what it spent. Everything
+        else was decided once per plan (`PlanProgram`) or per instance (`_Instance.rows`)."""
         program, table, lock, rows = model.program, state.table, state.lock, state.rows
+        with lock:
+            calls = self._calls_for(state, model)
+        run_inputs = RunInputs(inputs)
         events, timed = result._events, result._timed
         alloc = partial(self.allocator.allocate, stream=stream)
         free_batch, launch, touch, reclaim = self._free_batch, self.runtime.launch, table.touch, table.reclaim
