@@ -215,22 +215,28 @@ def _figures(
 
 
 def open_runtime(mode: str, state: Path) -> Runtime | None:
-    """An emulated device in `mode`, or None when this device build has no such mode."""
+    """An emulated device in `mode` (the `STREAMBOX_DEVICE_MODE` environment variable, and the
+    backend's `device_mode`/`mode` argument where it has one), or None when the device it opened
+    does not say it runs in `mode` (a build without timed mode)."""
     spec = V100_16GB.with_overrides(context_create_s=0.0)
     params = inspect.signature(EmulatedBackend).parameters
-    option = next((p for p in ("device_mode", "mode") if p in params), None)
-    if option is None and mode != "functional":
-        return None
+    kwargs = {p: mode for p in ("device_mode", "mode") if p in params}
     previous = os.environ.get("STREAMBOX_DEVICE_MODE")
     os.environ["STREAMBOX_DEVICE_MODE"] = mode
     try:
-        kwargs = {option: mode} if option is not None else {}
-        return EmulatedBackend(spec=spec, state_dir=state / mode, **kwargs).open_runtime(0)
+        backend = EmulatedBackend(spec=spec, state_dir=state / mode, **kwargs)
+        rt = backend.open_runtime(0)
     finally:
         if previous is None:
             os.environ.pop("STREAMBOX_DEVICE_MODE", None)
         else:
             os.environ["STREAMBOX_DEVICE_MODE"] = previous
+    said = [getattr(o, a, None) for o in (rt, backend) for a in ("device_mode", "mode")]
+    said = [str(getattr(v, "value", v)) for v in said if v is not None]
+    if said[:1] != [mode] and not (mode == "functional" and not said):
+        rt.close()
+        return None
+    return rt
 
 
 def print_mode(mode: str, results: list[dict], repeats: int) -> None:
