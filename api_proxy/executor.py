@@ -243,8 +243,8 @@ class _Instance:
 
 def _release_generation(allocator: Allocator) -> Callable[[], int] | None:
     """How often the allocator has given memory back to the device (`DeviceMemoryPool` counts its
-    trims), or None for an allocator that does not say: then a tensor over an address is not
-    reused from one kernel to the next, since the address may be backed anew."""
+    trims), or None for an allocator that does not say: then bound calls and tensors are kept for
+    one run only, since an address may be backed anew between runs."""
     counters = getattr(allocator, "counters", None)
     if counters is None or not isinstance(getattr(counters, "trims", None), int):
         return None

@@ -130,7 +130,8 @@ class RunInputs(NamedTuple):
 
 class KernelCalls:
     """The bound calls of one instance's runs of one device model, while the allocator's release
-    generation stays `generation` (None: it has none, and nothing is reused beyond one call).
+    generation stays `generation`. With an allocator that keeps no generation (None) the executor
+    makes one per run: within a run a variable keeps its address, so its tensor is made once.
 
     Only the stream's worker calls `call` (the emulated device; the CUDA backend calls it on the
     issuing thread at launch), in stream order, so no lock is needed: variables are single-assignment
@@ -150,7 +151,6 @@ class KernelCalls:
         self.weights = weights
         self.model = model  # the DeviceModel the calls were bound for (weights live as long as it does)
         self.generation = generation
-        self.reuse = generation is not None
         # Per kernel, its calls for the last `CALLS_PER_KERNEL` address lists, most recent first.
         self._calls: list[list[tuple[list[int], Callable[[], object]]]] = [[] for _ in program.kernels]
         # (variable, address of its storage) -> tensor; bounded by `_tensor_limit`.
@@ -161,10 +161,9 @@ class KernelCalls:
     def call(self, run: RunInputs, index: int, addresses: list[int]) -> object:
         """Run kernel `index` for the storage addresses `addresses` (its rows', then its inputs')."""
         calls = self._calls[index]
-        if self.reuse:
-            for bound_to, bound in calls:
-                if bound_to == addresses:
-                    return bound()
+        for bound_to, bound in calls:
+            if bound_to == addresses:
+                return bound()
         bound = self._bind(run, self.program.kernels[index], addresses)
         calls.insert(0, (addresses, bound))
         del calls[CALLS_PER_KERNEL:]
@@ -181,7 +180,7 @@ class KernelCalls:
         if spec.kind == "weight":
             return self.weights[name]
         address = address_of.get(spec.base if spec.base is not None else name)  # None: a weight's view
-        tensor = self._tensors.get((name, address)) if self.reuse else None
+        tensor = self._tensors.get((name, address))
         if tensor is not None:
             return tensor
         if len(self._tensors) >= self._tensor_limit:

@@ -227,6 +227,26 @@ def test_a_warm_instance_calls_what_it_bound_and_binds_again_after_the_pool_gave
     assert all(b < compute // 2 for b in warm), binds
 
 
+def test_with_an_allocator_that_keeps_no_release_generation_calls_live_for_one_run(pool, zoo_model, runtime):
+    name = "resnet18"
+    shape = get_entry(name).small_input_shape
+    plan = pool.get_or_lower(name, 1, shape)
+    allocator = StreamPoolAllocator(runtime)  # the device's pool may back an address anew between runs
+    stream = runtime.create_stream()
+    model = upload_model(runtime, plan, allocator, stream)
+    x = example_input(name, 1, shape)
+    handle = upload_tensor(runtime, x, allocator.allocate, stream)
+    executor = PlanExecutor(runtime, allocator)
+    compute = sum(k.kind != "view" for k in plan.kernels)
+    for _ in range(2):
+        result = executor.run(model, {"x": handle}, stream, instance="f1")
+        got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+        torch.testing.assert_close(got, _eager(zoo_model, name, x)[0], **_tolerance(torch.float32))
+        assert executor.calls_bound("f1") == compute  # this run's own calls, none kept from the last
+        for out in result.outputs.values():
+            allocator.free(out.address, stream)
+
+
 @pytest.mark.parametrize("mode", ["static", "fm"])
 def test_a_crashed_run_releases_everything_and_the_next_one_succeeds(mode, pool, zoo_model, runtime):
     plan, mem, stream, model, x, handle = _setup(pool, runtime)
