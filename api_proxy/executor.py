@@ -69,7 +69,7 @@ RECYCLERS = ("kernel", "thread")
 
 
 class Allocator(Protocol):
-    """Where the executor takes device bytes from (stream-ordered)."""
+    """Where the executor takes device bytes from (stream-ordered; `stream` is passed by keyword)."""
 
     def allocate(self, nbytes: int, stream: Stream) -> int: ...
 
