@@ -4,9 +4,14 @@ The executor walks a plan in order. Every storage variable the run manages (inte
 outputs) is registered in a `MappingTable` (one per function instance) with the plan's expected
 access count. For each kernel the executor asks the table for the addresses of the variables the
 kernel touches -- the table allocates a variable at its first access (lazy allocation) and counts
-one access per touch -- builds tensor views, launches the kernel on the stream, and hands the
+one access per touch -- launches the kernel's call for those addresses on the stream, and hands the
 buffers whose count is reached back to the allocator (eager recycling). Frees are stream-ordered, so
 a buffer returns to the allocator only after the kernels issued before the free have run.
+
+What a static plan decides once (ops, arguments, the rows each kernel touches, grids) is resolved
+once per plan (`plan_program.PlanProgram`), and a kernel's call with its tensors in place is bound
+once per instance and address set (`plan_program.KernelCalls`), so the hot loop (`_issue`) only
+counts, allocates, launches and frees (docs/api_proxy.md, "The plan executor").
 
 The pool mode decides the mechanisms (`PlanExecutor.for_mode`): `static` allocates every variable up
 front and frees them at the end of the run; `fm` and `fm+rs` allocate lazily and recycle eagerly.
@@ -25,36 +30,47 @@ IO daemon can replace the copies; `upload_model` does both.
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
 
 from streambox.device import Event, MemoryPool, Runtime, Stream
 from streambox.kernel_compiler.cost_model import launch_durations
-from streambox.kernel_compiler.ops import invoke_kernel
-from streambox.kernel_compiler.plan import Kernel, KernelPlan, VarSpec
-from streambox.memory_pool.mapping_table import HeldBuffer, MappingTable
+from streambox.kernel_compiler.plan import Kernel, KernelPlan
+from streambox.memory_pool.mapping_table import HeldBuffer, MappingEntry, MappingTable
 from streambox.memory_pool.modes import PoolMode
 from streambox.memory_pool.scaler import PositionBoard
 
 from .device_tensor import DeviceTensor
+from .plan_program import ELEMENTS_PER_BLOCK, KernelCalls, PlanProgram, RunInputs, plan_key
 
-#: Threads per block times elements per thread of a typical elementwise kernel: the emulated grid size.
-ELEMENTS_PER_BLOCK = 1024
+__all__ = [
+    "ELEMENTS_PER_BLOCK",
+    "Allocator",
+    "DeviceModel",
+    "PlanExecutor",
+    "RunResult",
+    "RunStats",
+    "StreamPoolAllocator",
+    "allocate_weights",
+    "copy_weights",
+    "free_all",
+    "free_model",
+    "plan_key",
+    "upload_model",
+]
 
 #: Where recycling runs: at the kernel boundary on the issuing thread, or on a background thread.
 RECYCLERS = ("kernel", "thread")
 
-MANAGED_KINDS = ("intermediate", "output")
-
 
 class Allocator(Protocol):
-    """Where the executor takes device bytes from (stream-ordered)."""
+    """Where the executor takes device bytes from (stream-ordered; `stream` is passed by keyword)."""
 
     def allocate(self, nbytes: int, stream: Stream) -> int: ...
 
@@ -91,39 +107,6 @@ def free_all(allocator: Allocator, addresses: Iterable[int], stream: Stream, *, 
         fence_fn(stream)
 
 
-def plan_key(plan: KernelPlan) -> str:
-    """`model/b<batch>/<input shape>`: one plan of a model."""
-    return f"{plan.model}/b{plan.batch}/{'x'.join(str(d) for d in plan.input_shape)}"
-
-
-@dataclass(frozen=True)
-class PlanLayout:
-    """What the executor needs of a plan, computed once: the managed variables (name, bytes,
-    expected accesses; None = never recycled by count, i.e. outputs) and, per kernel, the managed
-    variables it touches."""
-
-    key: str
-    managed: tuple[tuple[str, int, int | None], ...]
-    accesses: tuple[tuple[str, ...], ...]
-    outputs: tuple[str, ...]
-
-    @classmethod
-    def of(cls, plan: KernelPlan) -> PlanLayout:
-        variables = plan.variables
-        managed = tuple(
-            (v.name, v.nbytes, (v.expected_accesses or None) if v.kind == "intermediate" else None)
-            for v in variables.values()
-            if v.kind in MANAGED_KINDS
-        )
-        names = {name for name, _, _ in managed}
-        return cls(
-            key=plan_key(plan),
-            managed=managed,
-            accesses=tuple(tuple(n for n in k.accesses if n in names) for k in plan.kernels),
-            outputs=tuple(n for n in plan.outputs if n in names),
-        )
-
-
 @dataclass
 class DeviceModel:
     """A plan whose weights are resident on one device."""
@@ -132,17 +115,18 @@ class DeviceModel:
     weights: dict[str, DeviceTensor]
     # Tensor views over the resident weights, built once: a run only makes views of what it allocates.
     weight_views: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    _layout: PlanLayout | None = field(default=None, repr=False)
+    _program: PlanProgram | None = field(default=None, repr=False)
 
     @property
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.weights.values())
 
     @property
-    def layout(self) -> PlanLayout:
-        if self._layout is None:
-            self._layout = PlanLayout.of(self.plan)
-        return self._layout
+    def program(self) -> PlanProgram:
+        """The plan resolved for the executor, once per model (see `plan_program`)."""
+        if self._program is None:
+            self._program = PlanProgram.of(self.plan)
+        return self._program
 
 
 @dataclass
@@ -233,10 +217,6 @@ def _contiguous_strides(shape: Iterable[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _grid_blocks(var: VarSpec) -> int:
-    return max(1, math.ceil(math.prod(var.shape) / ELEMENTS_PER_BLOCK))
-
-
 @dataclass(frozen=True)
 class _Ephemeral:
     """The instance id of a run called without one: registered for that run only."""
@@ -245,20 +225,31 @@ class _Ephemeral:
 
 
 class _Instance:
-    """A function instance's mapping table and the stream its buffers are freed on."""
+    """A function instance's mapping table, the stream its buffers are freed on, and its kernels'
+    bound calls."""
 
-    __slots__ = ("table", "lock", "stream", "layout", "ephemeral", "views")
+    __slots__ = ("table", "lock", "stream", "program", "ephemeral", "rows", "calls")
 
     def __init__(self, eager_recycling: bool, ephemeral: bool) -> None:
         self.table = MappingTable(eager_recycling=eager_recycling)
         self.lock = threading.Lock()
         self.stream: Stream | None = None
-        self.layout: PlanLayout | None = None
+        self.program: PlanProgram | None = None
         self.ephemeral = ephemeral
-        # Views the stream's worker made, by (address, dtype, shape, strides): a warm instance gets the
-        # same addresses run after run (same-stream reuse), so most views are made once. Only the
-        # worker touches it; a hit means the address is allocated to this run now, so the view is valid.
-        self.views: dict[tuple, torch.Tensor] = {}
+        # Per kernel of `program`: the table rows it touches, looked up once per registration.
+        self.rows: list[tuple[MappingEntry, ...]] = []
+        # The calls bound by this instance's runs (the stream's worker binds and calls them).
+        self.calls: KernelCalls | None = None
+
+
+def _release_generation(allocator: Allocator) -> Callable[[], int] | None:
+    """How often the allocator has given memory back to the device (`DeviceMemoryPool` counts its
+    trims), or None for an allocator that does not say: then bound calls and tensors are kept for
+    one run only, since an address may be backed anew between runs."""
+    counters = getattr(allocator, "counters", None)
+    if counters is None or not isinstance(getattr(counters, "trims", None), int):
+        return None
+    return lambda: counters.trims
 
 
 class PlanExecutor:
@@ -280,6 +271,7 @@ class PlanExecutor:
         if recycler not in RECYCLERS:
             raise ValueError(f"unknown recycler {recycler!r}; choose one of {RECYCLERS}")
         self.runtime = runtime
+        self._device_name = runtime.properties().name  # which preset's kernel times apply
         self.allocator = allocator
         self.eager_recycling = eager_recycling
         self.lazy = lazy
@@ -289,6 +281,7 @@ class PlanExecutor:
         self._free_batch: Callable[[list[int], Stream], None] = free_many or (
             lambda addresses, stream: free_all(allocator, addresses, stream)
         )
+        self._generation = _release_generation(allocator)
         self._instances: dict[Hashable, _Instance] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -302,8 +295,16 @@ class PlanExecutor:
         return cls(runtime, allocator, eager_recycling=mode.eager_recycling, lazy=mode.lazy, **options)  # type: ignore[arg-type]
 
     # -- instances ------------------------------------------------------------------------------
+    def _program(self, model: DeviceModel) -> PlanProgram:
+        """The model's program with its kernels' GPU times on this device (timed mode), once per model."""
+        if model._program is None:
+            durations = launch_durations(model.plan, self._device_name)
+            known = durations if all(d is not None for d in durations) else None
+            model._program = PlanProgram.of(model.plan, known)  # type: ignore[arg-type]
+        return model._program
+
     def _enter(
-        self, instance: Hashable | None, layout: PlanLayout, stream: Stream
+        self, instance: Hashable | None, program: PlanProgram, stream: Stream
     ) -> tuple[Hashable, _Instance]:
         with self._lock:
             if instance is None:
@@ -315,13 +316,17 @@ class PlanExecutor:
                     state = self._instances[instance] = _Instance(self.eager_recycling, ephemeral=False)
         with state.lock:
             if state.stream is not None and state.stream is not stream:
-                # A warm instance moved to another stream: what it still holds is freed on the old one.
+                # A warm instance moved to another stream: what it still holds is freed on the old one,
+                # and its calls are bound anew (the old stream's worker may still be calling them).
                 self._free(state.table.reset_instance(instance), state.stream)
+                state.calls = None
             state.stream = stream
-            if state.layout is None or state.layout.key != layout.key:
+            if state.program is None or state.program.key != program.key:
                 leftovers = state.table.release_instance(instance)
-                state.table.register_many(instance, layout.key, layout.managed)
-                state.layout = layout
+                state.table.register_many(instance, program.key, program.managed)
+                rows = state.table.rows(instance, program.key, [name for name, _, _ in program.managed])
+                state.rows = [tuple(rows[r] for r in k.rows) for k in program.kernels]
+                state.program = program
             else:
                 leftovers = state.table.reset_instance(instance)
         self._free(leftovers, stream)
@@ -351,6 +356,13 @@ class PlanExecutor:
         state = self._instances.get(instance)
         return state.table.held_bytes if state is not None else 0
 
+    def calls_bound(self, instance: Hashable) -> int:
+        """Kernel calls bound for `instance` since its model or the allocator's release generation last
+        changed (after the run's `done`): a warm instance whose buffers come back at the same
+        addresses binds none after its first run."""
+        state = self._instances.get(instance)
+        return state.calls.binds if state is not None and state.calls is not None else 0
+
     def recycle(self) -> int:
         """The background recycler's sweep: hand every instance's spent buffers back; returns bytes."""
         with self._lock:
@@ -370,6 +382,15 @@ class PlanExecutor:
             if stream is None:
                 raise RuntimeError("buffers held by an instance that never ran on a stream")
             free_all(self.allocator, [h.address for h in held], stream, fence=True)
+
+    def _calls_for(self, state: _Instance, model: DeviceModel) -> KernelCalls:
+        """The instance's bound calls if still valid for `model` and the allocator's generation."""
+        generation = self._generation() if self._generation is not None else None
+        calls = state.calls
+        if calls is None or calls.model is not model or generation is None or calls.generation != generation:
+            calls = KernelCalls(self.runtime, model.program, model.weight_views, model, generation)
+            state.calls = calls
+        return calls
 
     # -- running --------------------------------------------------------------------------------
     def run(
@@ -394,104 +415,105 @@ class PlanExecutor:
         if missing:
             raise KeyError(f"model {plan.model}: missing inputs {missing}; the plan expects {plan.inputs}")
         started = time.perf_counter()
-        layout = model.layout
-        instance, state = self._enter(instance, layout, stream)
-        table, lock, key = state.table, state.lock, layout.key
-        runtime = self.runtime
-        variables = plan.variables
-        allocate = self.allocator.allocate
-        kernel_recycling = self.eager_recycling and self.recycler == "kernel"
-        free_batch = self._free_batch
-        views = state.views
-        view_limit = 2 * len(layout.managed) + 64
-        board = self.positions
-        stats = RunStats()
-        durations = launch_durations(plan, runtime.properties().name)  # computed once per plan
-        env: dict[str, torch.Tensor] = dict(model.weight_views)
-        env.update((name, t.view(runtime)) for name, t in inputs.items())
-        handles: dict[str, DeviceTensor] = {}  # allocated by this run
-        # Views over new buffers and view kernels (metadata only) are made by the stream's worker
-        # right before the next compute kernel: the issuing thread stays light (see `_kernel_call`).
-        prelude: list[tuple[str, DeviceTensor] | Kernel] = []
-        events: list[Event] = []
-        timed: list[int] = []
-
-        def alloc(nbytes: int) -> int:
-            return allocate(nbytes, stream)
-
-        def bind(name: str, address: int) -> None:
-            var = variables[name]
-            handle = DeviceTensor(address, var.torch_dtype, tuple(var.shape), tuple(var.strides), var.nbytes)
-            handles[name] = handle
-            prelude.append((name, handle))
-            stats.allocations += 1
-
-        if profile:
-            events.append(self._record(stream))
+        program = self._program(model)
+        instance, state = self._enter(instance, program, stream)
+        result = RunResult({}, RunStats(), None, instance, _plan_kernels=len(plan.kernels))  # type: ignore[arg-type]
         try:
-            if not self.lazy:
-                with lock:
-                    table.materialize(instance, alloc)
-                    for entry in table.entries(instance):
-                        if entry.address is not None:
-                            bind(entry.var, entry.address)
-            for index, kernel in enumerate(plan.kernels):
-                if board is not None:
-                    board.update(
-                        instance, plan.model, plan.batch, index, time.perf_counter(), table.held_bytes
-                    )
-                if on_kernel is not None:
-                    on_kernel(index, kernel)
-                spent: list[HeldBuffer] = []
-                with lock:  # access -> launch is atomic for the background recycler
-                    for name in layout.accesses[index]:
-                        address = table.access(instance, key, name, alloc)
-                        if name not in handles:
-                            bind(name, address)
-                    if table.held_bytes > stats.peak_live_bytes:
-                        stats.peak_live_bytes = table.held_bytes
-                    if kernel.kind == "view":
-                        prelude.append(kernel)
-                    else:
-                        work = _kernel_call(runtime, kernel, env, prelude, views, view_limit)
-                        prelude = []
-                        blocks = _grid_blocks(variables[kernel.outputs[0]])
-                        runtime.launch(
-                            stream, work, blocks=blocks, cu_cap=cu_cap, name=kernel.name,
-                            duration_s=durations[index],
-                        )
-                        stats.kernels += 1
-                        if profile:
-                            events.append(self._record(stream))
-                            timed.append(index)
-                    if kernel_recycling:
-                        spent = table.reclaim()
-                if spent:
-                    free_batch([h.address for h in spent], stream)
-            with lock:
-                outputs = {}
-                for name in layout.outputs:
-                    if table.detach(instance, key, name) is not None:
-                        outputs[name] = handles[name]
-                if state.ephemeral:
-                    leftovers = table.release_instance(instance)
-                else:
-                    leftovers = table.reset_instance(instance)
+            if profile:
+                result._events.append(self._record(stream))
+            self._issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
+            with state.lock:
+                result.outputs.update(self._take_outputs(instance, state, program))
+                leftovers = self._end_run(instance, state)
         except BaseException:
             # A failed issue must not leak: hand back everything this run holds (stream-ordered).
-            with lock:
-                held = table.release_instance(instance) if state.ephemeral else table.reset_instance(instance)
+            with state.lock:
+                held = self._end_run(instance, state)
             self._finish(instance, state, held, stream)
             raise
         for name in plan.outputs:  # outputs that are no buffer of this run: an input or a weight
-            if name not in outputs:
-                outputs[name] = inputs[name] if name in inputs else model.weights[name]
-        done = self._finish(instance, state, leftovers, stream)
-        stats.issue_seconds = time.perf_counter() - started
-        return RunResult(outputs, stats, done, instance, events, timed, len(plan.kernels))
+            if name not in result.outputs:
+                result.outputs[name] = inputs[name] if name in inputs else model.weights[name]
+        result.done = self._finish(instance, state, leftovers, stream)
+        result.stats.issue_seconds = time.perf_counter() - started
+        return result
+
+    def _issue(
+        self,
+        instance: Hashable,
+        state: _Instance,
+        model: DeviceModel,
+        inputs: Mapping[str, DeviceTensor],
+        stream: Stream,
+        cu_cap: int | None,
+        on_kernel: Callable[[int, Kernel], None] | None,
+        result: RunResult,
+    ) -> None:
+        """The hot loop: per kernel, count its accesses (the table allocates at the first and queues
+        the buffer at the last), launch its call for those addresses, free what it spent. Everything
+        else was decided once per plan (`PlanProgram`) or per instance (`_Instance.rows`)."""
+        program, table, lock, rows = model.program, state.table, state.lock, state.rows
+        with lock:
+            calls = self._calls_for(state, model)
+        run_inputs = RunInputs(inputs)
+        events, timed = result._events, result._timed
+        alloc = partial(self.allocator.allocate, stream=stream)
+        free_batch, launch, touch, reclaim = self._free_batch, self.runtime.launch, table.touch, table.reclaim
+        recycle_here = self.eager_recycling and self.recycler == "kernel"
+        board, generation, name, batch = self.positions, self._generation, model.plan.model, model.plan.batch
+        input_address = {n: t.address for n, t in inputs.items()}
+        profile, peak, allocations = bool(events), 0, table.allocations
+        if not self.lazy:
+            with lock:
+                table.materialize(instance, alloc)
+        for k in program.kernels:
+            if board is not None:
+                board.update(instance, name, batch, k.index, time.perf_counter(), table.held_bytes)
+            if on_kernel is not None:
+                on_kernel(k.index, k.kernel)
+            with lock:  # access -> launch is atomic for the background recycler
+                addresses = touch(rows[k.index], alloc)
+                peak = max(peak, table.held_bytes)
+                if k.compute:
+                    if k.inputs:
+                        addresses.extend(input_address[n] for n in k.inputs)
+                    if generation is not None and generation() != calls.generation:
+                        calls = self._calls_for(state, model)  # the pool gave memory back meanwhile
+                    launch(stream, partial(calls.call, run_inputs, k.index, addresses),
+                           blocks=k.blocks, cu_cap=cu_cap, name=k.kernel.name, duration_s=k.duration_s)
+                    if profile:
+                        events.append(self._record(stream))
+                        timed.append(k.index)
+                spent = reclaim() if recycle_here else None
+            if spent:
+                free_batch([h.address for h in spent], stream)
+        result.stats.kernels = program.compute_kernels
+        result.stats.peak_live_bytes = peak
+        result.stats.allocations = table.allocations - allocations
+
+    @staticmethod
+    def _take_outputs(instance: Hashable, state: _Instance, program: PlanProgram) -> dict[str, DeviceTensor]:
+        """The run's managed outputs, detached from the table: the caller owns them now."""
+        outputs = {}
+        for name in program.outputs:
+            held = state.table.detach(instance, program.key, name)
+            if held is not None:
+                spec = program.specs[name]
+                outputs[name] = DeviceTensor(
+                    held.address, program.dtypes[name], tuple(spec.shape), tuple(spec.strides), spec.nbytes
+                )
+        return outputs
+
+    @staticmethod
+    def _end_run(instance: Hashable, state: _Instance) -> list[HeldBuffer]:
+        """Everything the run still holds; an ephemeral instance forgets its registrations too."""
+        if state.ephemeral:
+            return state.table.release_instance(instance)
+        return state.table.reset_instance(instance)
 
     def _finish(self, instance: Hashable, state: _Instance, held: list[HeldBuffer], stream: Stream) -> Event:
-        free_all(self.allocator, [h.address for h in held], stream)
+        if held:
+            free_all(self.allocator, [h.address for h in held], stream)
         done = self._record(stream)
         fence = getattr(self.allocator, "fence", None)
         if fence is not None:
@@ -507,38 +529,3 @@ class PlanExecutor:
         event = self.runtime.create_event()
         event.record(stream)
         return event
-
-
-def _kernel_call(
-    runtime: Runtime,
-    kernel: Kernel,
-    env: dict[str, torch.Tensor],
-    prelude: list[tuple[str, DeviceTensor] | Kernel],
-    views: dict[tuple, torch.Tensor],
-    view_limit: int,
-) -> Callable[[], object]:
-    """The work of one compute kernel on the stream's worker: first the views over buffers allocated
-    since the previous compute kernel and the view kernels issued meanwhile (in issue order), then
-    the kernel. Making views on the worker keeps the issuing thread short (a view costs tens of
-    microseconds and, on the emulated device, waits for the GIL the worker holds), and a view of a
-    buffer freed too early fails there, as a use after free. Views already made for the same address
-    and layout (the instance's `views`, bounded by `view_limit`) are reused. Only the worker touches
-    `env` and `views` after the run starts; variables are single-assignment, so the order of the
-    stream is all it needs."""
-
-    def run() -> object:
-        for item in prelude:
-            if isinstance(item, Kernel):
-                env.update(invoke_kernel(item, env))  # metadata only: aliases, no device work
-            else:
-                name, handle = item
-                key = (handle.address, handle.dtype, handle.shape, handle.strides)
-                view = views.get(key)
-                if view is None:
-                    if len(views) >= view_limit:
-                        views.clear()
-                    view = views[key] = handle.view(runtime)
-                env[name] = view
-        return invoke_kernel(kernel, env)
-
-    return run

@@ -9,6 +9,7 @@ temporary result of a fallback kernel.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ def _prepare(kernel: Kernel) -> _Prepared:
     return kernel._prepared
 
 
-def _resolve(value: Any, env: dict[str, torch.Tensor], device: torch.device | None) -> Any:
+def _resolve(value: Any, env: Mapping[str, torch.Tensor], device: torch.device | None) -> Any:
     if isinstance(value, VarRef):
         return env[value.name]
     if isinstance(value, list):
@@ -60,24 +61,36 @@ def invoke_kernel(kernel: Kernel, env: dict[str, torch.Tensor]) -> dict[str, tor
     Compute kernels write into ``env[name]`` for each output (preallocated by the caller) and return
     those tensors. View kernels return new alias tensors, which the caller stores into ``env``.
     """
-    p = _prepare(kernel)
     if kernel.kind == "view":
+        p = _prepare(kernel)
         result = p.op(
             *_resolve(p.args, env, None), **{k: _resolve(v, env, None) for k, v in p.kwargs.items()}
         )
         if isinstance(result, list | tuple):
             return dict(zip(kernel.outputs, result, strict=True))
         return {kernel.outputs[0]: result}
+    bind_kernel(kernel, env)()
+    return {name: env[name] for name in kernel.outputs}
 
+
+def bind_kernel(kernel: Kernel, env: Mapping[str, torch.Tensor]) -> Callable[[], object]:
+    """A compute kernel's call with its arguments resolved from ``env`` now: ``invoke_kernel`` split in
+    two, for a caller that runs the same kernel on the same tensors many times (the executor)."""
+    if kernel.kind == "view":
+        raise ValueError(f"kernel {kernel.name} is a view kernel: run it with invoke_kernel")
+    p = _prepare(kernel)
     outs = [env[n] for n in kernel.outputs]
     device = outs[0].device
     args = _resolve(p.args, env, device)
     kwargs = {k: _resolve(v, env, device) for k, v in p.kwargs.items()}
+    op = p.op
     if kernel.fallback:
-        result = p.op(*args, **kwargs)
-        for dst, src in zip(outs, result if isinstance(result, list | tuple) else [result], strict=True):
-            dst.copy_(src)
-    else:
-        kwargs.update(zip(kernel.out_args, outs, strict=True))
-        p.op(*args, **kwargs)
-    return dict(zip(kernel.outputs, outs, strict=True))
+
+        def call_and_copy() -> None:
+            result = op(*args, **kwargs)
+            for dst, src in zip(outs, result if isinstance(result, list | tuple) else [result], strict=True):
+                dst.copy_(src)
+
+        return call_and_copy
+    kwargs.update(zip(kernel.out_args, outs, strict=True))
+    return functools.partial(op, *args, **kwargs)

@@ -19,7 +19,7 @@ Both are pure: no threads, no device calls; time is passed in as `now`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -92,6 +92,7 @@ class MappingTable:
         self._pending: dict[Key, MappingEntry] = {}  # reached expected count, not yet reclaimed
         self._held_bytes = 0
         self._peak_held_bytes = 0
+        self.allocations = 0  # buffers allocated so far (first accesses and `materialize`)
 
     # -- registration ---------------------------------------------------------------------------
     def register(
@@ -138,23 +139,36 @@ class MappingTable:
                 f"variable {var!r} of model {model!r} is not registered for instance {instance!r}"
                 f" (registered: {known[:20]}{' ...' if len(known) > 20 else ''})"
             )
-        spent = entry.expected is not None and entry.accesses >= entry.expected
-        if entry.recycled or (spent and self.eager_recycling):
-            raise RecycledAccess(
-                f"{model}/{var} of instance {instance!r} accessed {entry.accesses + 1} times, "
-                f"expected {entry.expected}: its buffer is already recycled"
-            )
-        address = entry.address
-        if address is None:
-            address = allocate(entry.nbytes)
-            entry.address = address
-            self._held_bytes += entry.nbytes
-            if self._held_bytes > self._peak_held_bytes:
-                self._peak_held_bytes = self._held_bytes
-        entry.accesses += 1
-        if self.eager_recycling and entry.accesses == entry.expected:
-            self._pending[key] = entry
-        return address
+        return self.touch((entry,), allocate)[0]
+
+    def touch(self, entries: Sequence[MappingEntry], allocate: Callable[[int], int]) -> list[int]:
+        """`access` for each row of `entries` in order; returns their addresses.
+
+        The executor's per-kernel call: it looks the rows of each kernel up once per instance
+        (`rows`), so a kernel costs no lookup by name here. Same rules as `access`, row by row: an
+        allocation that raises leaves that row uncounted (the rows before it are counted).
+        """
+        addresses = []
+        eager = self.eager_recycling
+        for entry in entries:
+            expected = entry.expected
+            if entry.recycled or (eager and expected is not None and entry.accesses >= expected):
+                raise RecycledAccess(
+                    f"{entry.model}/{entry.var} of instance {entry.instance!r} accessed {entry.accesses + 1}"
+                    f" times, expected {expected}: its buffer is already recycled"
+                )
+            address = entry.address
+            if address is None:
+                address = entry.address = allocate(entry.nbytes)
+                self.allocations += 1
+                self._held_bytes += entry.nbytes
+                if self._held_bytes > self._peak_held_bytes:
+                    self._peak_held_bytes = self._held_bytes
+            entry.accesses += 1
+            if eager and entry.accesses == expected:
+                self._pending[(entry.instance, entry.model, entry.var)] = entry
+            addresses.append(address)
+        return addresses
 
     def reclaim(self) -> list[HeldBuffer]:
         """Hand over every buffer that reached its expected count since the last call.
@@ -224,6 +238,7 @@ class MappingTable:
         for entry in self._by_instance.get(instance, {}).values():
             if entry.address is None and not entry.recycled:
                 entry.address = allocate(entry.nbytes)
+                self.allocations += 1
                 self._held_bytes += entry.nbytes
                 total += entry.nbytes
         if self._held_bytes > self._peak_held_bytes:
@@ -247,6 +262,10 @@ class MappingTable:
             raise UnknownVariable(
                 f"variable {var!r} of model {model!r} is not registered for instance {instance!r}"
             ) from None
+
+    def rows(self, instance: Hashable, model: str, variables: Iterable[str]) -> list[MappingEntry]:
+        """The rows of `variables` (live objects, valid until `release_instance`), for `touch`."""
+        return [self.entry(instance, model, var) for var in variables]
 
     def entries(self, instance: Hashable) -> list[MappingEntry]:
         """Rows of `instance`, in registration order."""

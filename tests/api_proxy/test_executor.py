@@ -193,6 +193,60 @@ def test_a_warm_instance_keeps_its_registrations_and_holds_nothing_between_runs(
     assert executor.release_instance("f1") == 0 and executor.instances() == []
 
 
+def test_a_warm_instance_calls_what_it_bound_and_binds_again_after_the_pool_gave_memory_back(
+    pool, zoo_model, runtime
+):
+    name = "resnet18"
+    shape = get_entry(name).small_input_shape
+    plan = pool.get_or_lower(name, 1, shape)
+    stream = runtime.create_stream()
+    weights = StreamPoolAllocator(runtime)  # weights and input elsewhere: the pool holds activations only
+    model = upload_model(runtime, plan, weights, stream)
+    x = example_input(name, 1, shape)
+    handle = upload_tensor(runtime, x, weights.allocate, stream)
+    mem = DeviceMemoryPool(runtime)
+    executor = PlanExecutor(runtime, mem)
+    want = _eager(zoo_model, name, x)[0]
+    binds, trimmed = [], 0
+    for i in range(7):
+        if i == 3:  # every chunk goes back to the device: the next run's buffers are new memory
+            mem.drain()
+            trimmed = mem.trim_to(0)
+        result = executor.run(model, {"x": handle}, stream, instance="f1")
+        got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+        torch.testing.assert_close(got, want, **_tolerance(torch.float32))
+        binds.append(executor.calls_bound("f1"))
+        mem.free_many([t.address for t in result.outputs.values()], stream)
+    compute = sum(k.kind != "view" for k in plan.kernels)
+    assert trimmed > 0
+    # The first run binds every call; a warm run gets most of its addresses back (the pool hands the
+    # stream its own frees first) and calls what it bound; after the trim every call is bound again
+    # (a tensor over a released chunk is never reused).
+    assert binds[0] == binds[3] == compute, binds
+    warm = [binds[i] - binds[i - 1] for i in (1, 2, 4, 5, 6)]
+    assert all(b < compute // 2 for b in warm), binds
+
+
+def test_with_an_allocator_that_keeps_no_release_generation_calls_live_for_one_run(pool, zoo_model, runtime):
+    name = "resnet18"
+    shape = get_entry(name).small_input_shape
+    plan = pool.get_or_lower(name, 1, shape)
+    allocator = StreamPoolAllocator(runtime)  # the device's pool may back an address anew between runs
+    stream = runtime.create_stream()
+    model = upload_model(runtime, plan, allocator, stream)
+    x = example_input(name, 1, shape)
+    handle = upload_tensor(runtime, x, allocator.allocate, stream)
+    executor = PlanExecutor(runtime, allocator)
+    compute = sum(k.kind != "view" for k in plan.kernels)
+    for _ in range(2):
+        result = executor.run(model, {"x": handle}, stream, instance="f1")
+        got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+        torch.testing.assert_close(got, _eager(zoo_model, name, x)[0], **_tolerance(torch.float32))
+        assert executor.calls_bound("f1") == compute  # this run's own calls, none kept from the last
+        for out in result.outputs.values():
+            allocator.free(out.address, stream)
+
+
 @pytest.mark.parametrize("mode", ["static", "fm"])
 def test_a_crashed_run_releases_everything_and_the_next_one_succeeds(mode, pool, zoo_model, runtime):
     plan, mem, stream, model, x, handle = _setup(pool, runtime)
@@ -278,3 +332,43 @@ def test_plan_kernel_seconds_are_stored_in_the_memory_profile(pool, runtime):
         sum(profile.runtime_s)
     )
     assert runtime.allocated_bytes() == 0
+
+
+# --- the same fast path on the CUDA backend (torch ops under the instance's stream) ---------------
+
+
+@pytest.mark.gpu
+def test_the_executor_on_the_cuda_backend_matches_eager_torch_and_reuses_its_calls(pool, zoo_model):
+    from streambox.device import cuda
+    from streambox.device.base import BackendUnavailable
+
+    try:
+        backend = cuda.CudaBackend()
+    except BackendUnavailable as exc:
+        pytest.skip(f"no usable GPU: {exc}")
+    name = "resnet18"
+    shape = get_entry(name).small_input_shape
+    plan = pool.get_or_lower(name, 1, shape)
+    x = example_input(name, 1, shape)
+    want = _eager(zoo_model, name, x)[0]
+    with backend.open_runtime(0) as rt:
+        mem = DeviceMemoryPool(rt)
+        stream = rt.create_stream()
+        model = upload_model(rt, plan, mem, stream)
+        handle = upload_tensor(rt, x, mem.allocate, stream)
+        executor = PlanExecutor(rt, mem)
+        binds = []
+        for _ in range(3):
+            result = executor.run(model, {"x": handle}, stream, instance="f1")
+            got = download_tensor(rt, result.outputs[plan.outputs[0]], stream)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # cuDNN, not the CPU's kernels
+            assert result.stats.peak_live_bytes == profile_plan(plan).peak_eager
+            binds.append(executor.calls_bound("f1"))
+            mem.free_many([t.address for t in result.outputs.values()], stream)
+        compute = sum(k.kind != "view" for k in plan.kernels)
+        assert binds[0] == compute and binds[2] - binds[1] < compute // 2, binds
+        executor.release_instance("f1")
+        mem.free(handle.address, stream)
+        free_model(model, mem, stream)
+        mem.drain()
+        mem.close()

@@ -86,6 +86,25 @@ def test_failed_allocation_leaves_the_table_unchanged() -> None:
     assert t.access("f1", "m", "x", FakeAllocator()) == 0x1000  # retry after the pool grew
 
 
+def test_touch_is_access_row_by_row_without_lookups() -> None:
+    t, ref = MappingTable(), MappingTable()
+    for table in (t, ref):
+        table.register_many("f1", "m", [("x", 100, 2), ("y", 200, 1), ("out", 300, None)])
+    alloc, ref_alloc = FakeAllocator(), FakeAllocator()
+    x, y, out = t.rows("f1", "m", ["x", "y", "out"])
+    assert t.touch((x, y), alloc) == [0x1000, 0x2000]
+    assert t.touch((x, out), alloc) == [0x1000, 0x3000]
+    for var in ("x", "y", "x", "out"):  # the same accesses one by one
+        ref.access("f1", "m", var, ref_alloc)
+    spent = [HeldBuffer("f1", "m", "y", 0x2000, 200), HeldBuffer("f1", "m", "x", 0x1000, 100)]
+    assert t.reclaim() == ref.reclaim() == spent
+    assert (t.held_bytes, t.peak_held_bytes) == (ref.held_bytes, ref.peak_held_bytes) == (300, 600)
+    with pytest.raises(RecycledAccess, match="expected 2"):
+        t.touch((x,), alloc)
+    with pytest.raises(UnknownVariable, match="'z'"):
+        t.rows("f1", "m", ["z"])
+
+
 def test_unknown_variables_and_bad_registrations_raise_clear_errors() -> None:
     t = MappingTable()
     t.register("f1", "m", "x", 100, expected=1)
