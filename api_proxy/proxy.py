@@ -68,6 +68,7 @@ from streambox.memory_pool.idle import PoolIdleMemory
 from . import wire
 from .buffers import BufferTable
 from .channel import make_server
+from .control import ControlGuard, ControlRefused
 from .device_tensor import DeviceTensor
 from .errors import (
     FunctionCrashed,
@@ -308,6 +309,7 @@ class ProxyServer:
         path = self.dir / "control.sock"
         self.control.bind(f"ipc://{path}")
         os.chmod(path, 0o600)
+        self._guard = ControlGuard.for_proxy(f"ipc://{path}")  # faults: the control key (control.py)
         self._await_template()
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
@@ -481,7 +483,10 @@ class ProxyServer:
                 return n
             n += 1
             try:
-                call_id, op, args = msgpack.unpackb(body, raw=False)
+                call_id, op, args = self._guard.open(body)
+            except ControlRefused as refused:  # no key: told so, never served
+                self._control_reply(route, refused.call_id, False, refused.wire)
+                continue
             except Exception:  # noqa: BLE001 - not one of ours: ignore
                 continue
             try:
