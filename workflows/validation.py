@@ -30,6 +30,21 @@ from .spec import HANDLER_PATTERN, NAME_PATTERN, EdgeSpec, FunctionSpec, Workflo
 
 Loc = tuple[str | int, ...]
 
+#: Bounds of a workflow document: values built (aliases count once per use, so an alias bomb stops
+#: here instead of expanding), alias uses, and the nesting depth. Real workflows are far below them.
+MAX_NODES = 10_000
+MAX_ALIAS_USES = 200
+MAX_DEPTH = 64
+MAX_FILE_BYTES = 1 << 20
+
+
+class _TooLarge(Exception):
+    """The document passed one of the bounds above; the message says which."""
+
+    def __init__(self, message: str, mark: Mark) -> None:
+        super().__init__(message)
+        self.mark = mark
+
 
 @dataclass(frozen=True)
 class Issue:
@@ -74,6 +89,9 @@ class _Document:
         self.marks: dict[Loc, Mark] = {}
         self.issues: list[Issue] = []
         self._constructor = SafeConstructor()
+        self._built = 0
+        self._seen: set[int] = set()
+        self._alias_uses = 0
 
     def issue(self, loc: Loc, message: str, mark: Mark | None = None) -> None:
         mark = mark or self.mark_for(loc)
@@ -93,6 +111,7 @@ class _Document:
         if id(node) in active:
             self.issue(loc, "recursive YAML alias", node.start_mark)
             return None
+        self._count(node, len(active))
         active = active | {id(node)}
         if isinstance(node, MappingNode):
             self._constructor.flatten_mapping(node)  # merge keys (<<) as PyYAML does
@@ -115,6 +134,24 @@ class _Document:
                 items.append(self.build(item, (*loc, i), active))
             return items
         return self._constructor.construct_object(node)
+
+
+    def _count(self, node: Node, depth: int) -> None:
+        self._built += 1
+        if id(node) in self._seen:  # composed once, reached again: an alias
+            self._alias_uses += 1
+        else:
+            self._seen.add(id(node))
+        if self._built > MAX_NODES:
+            raise _TooLarge(
+                f"the document expands to more than {MAX_NODES} values "
+                f"({self._alias_uses} uses of YAML aliases so far); a workflow needs far fewer",
+                node.start_mark,
+            )
+        if self._alias_uses > MAX_ALIAS_USES:
+            raise _TooLarge(f"more than {MAX_ALIAS_USES} uses of YAML aliases", node.start_mark)
+        if depth > MAX_DEPTH:
+            raise _TooLarge(f"values nested more than {MAX_DEPTH} levels deep", node.start_mark)
 
 
 def _model_at(loc: Loc) -> type[BaseModel] | None:
@@ -206,6 +243,9 @@ def parse_spec(
         if root is not None:
             doc.marks[()] = root.start_mark
         data = doc.build(root) if root is not None else None
+    except _TooLarge as error:
+        doc.issue((), str(error), error.mark)
+        raise WorkflowValidationError(doc.issues) from None
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         problem = "; ".join(p for p in (error.context, error.problem) if p)
@@ -213,6 +253,9 @@ def parse_spec(
         raise WorkflowValidationError(doc.issues) from None
     except yaml.YAMLError as error:
         doc.issue((), f"invalid YAML: {error}")
+        raise WorkflowValidationError(doc.issues) from None
+    except RecursionError:  # the composer recurses per level, before `build` can count
+        doc.issue((), f"values nested more than {MAX_DEPTH} levels deep")
         raise WorkflowValidationError(doc.issues) from None
     if not isinstance(data, dict):
         keys = ", ".join(_keys_of(WorkflowSpec))
@@ -236,6 +279,9 @@ def validate_file(path: str | Path, *, check_handlers: bool = True) -> WorkflowS
     """Load and validate a workflow YAML file (the CLI's `streambox validate`)."""
     path = Path(path)
     try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            message = f"{path.stat().st_size} bytes; a workflow file may have at most {MAX_FILE_BYTES}"
+            raise WorkflowValidationError([Issue(str(path), None, None, "", message)])
         text = path.read_text()
     except OSError as error:
         raise WorkflowValidationError(
