@@ -111,6 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         invoker_factory=factory,
         on_ready=lambda url: print(f"serving on {url} (Ctrl-C stops)", flush=True),
         small=args.small,
+        allow_remote=args.allow_remote,
+        token=Path(args.token_file).read_text().strip() if args.token_file else None,
     )
     return 0
 
@@ -184,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument(
+        "--allow-remote", action="store_true", help="let --host be non-loopback (warns; use a token)"
+    )
+    serve.add_argument("--token-file", help="a file holding the bearer token every caller must send")
     serve.add_argument("--small", action="store_true", help="use the zoo's small input shapes")
     from streambox.workflows.commands import add_proxy_options
 

@@ -89,6 +89,8 @@ async def serve_async(
     stats: StatsSource | None = None,
     on_ready: Callable[[str], None] | None = None,
     stop: threading.Event | None = None,
+    allow_remote: bool = False,
+    token: str | None = None,
 ) -> None:
     """Deploy the workflows and serve them until `stop` is set or SIGINT/SIGTERM arrives."""
     config = config or Config.from_env()
@@ -99,7 +101,8 @@ async def serve_async(
     try:
         for spec in specs:
             await engine.deploy(spec)
-        async with GatewayServer(Gateway(engine, stats=stats), host, port) as server:
+        gateway = Gateway(engine, stats=stats, token=token)
+        async with GatewayServer(gateway, host, port, allow_remote=allow_remote) as server:
             finished = asyncio.Event()
             loop = asyncio.get_running_loop()
             if threading.current_thread() is threading.main_thread():
@@ -128,6 +131,8 @@ def serve(
     on_ready: Callable[[str], None] | None = None,
     stop: threading.Event | None = None,
     small: bool = False,
+    allow_remote: bool = False,
+    token: str | None = None,
 ) -> None:
     """`streambox serve WORKFLOW.yaml... [--backend emulated|cuda] [--system streambox|stream-only]`:
     validate the files, deploy them, and serve the gateway until interrupted."""
@@ -143,6 +148,8 @@ def serve(
             invoker_factory=invoker_factory,
             on_ready=on_ready,
             stop=stop,
+            allow_remote=allow_remote,
+            token=token,
         )
     )
 
