@@ -3,7 +3,8 @@
 The YAML is composed into nodes (PyYAML's compose API), which keep their position; the data built from
 them is validated by the pydantic models of `spec.py`, and every error's location (a path of keys and
 indices) is mapped back to the line of that key. Then the graph (cycles, joins, unknown functions),
-the handlers (importable, callable with `(ctx, event)`) and the models (in the zoo) are checked. All
+the handlers (the workflow's own code, importable, callable with `(ctx, event)`: `handler_check.py`,
+in a child process) and the models (in the zoo) are checked. All
 mistakes are reported at once, one line each::
 
     traffic.yaml:7:5: functions.detect.batchsize: unknown key; did you mean 'batch_size'? ...
@@ -25,7 +26,8 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from streambox.kernel_compiler.zoo import ZOO, UnknownModelError
 
-from .handlers import HandlerError, declared_models, resolve_handler
+from .handler_check import check_target, inspect_handlers
+from .handlers import HandlerError
 from .spec import HANDLER_PATTERN, NAME_PATTERN, EdgeSpec, FunctionSpec, WorkflowSpec, check_graph
 
 Loc = tuple[str | int, ...]
@@ -201,14 +203,10 @@ def _pydantic_issues(doc: _Document, error: ValidationError) -> None:
 
 
 def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -> WorkflowSpec:
+    declared_by = _check_handlers(doc, spec) if check_handlers else {}
     filled: dict[str, FunctionSpec] = {}
     for name, fn in spec.functions.items():
-        declared: list[str] | None = None
-        if check_handlers:
-            try:
-                declared = declared_models(resolve_handler(fn.handler, spec.base_dir))
-            except HandlerError as error:
-                doc.issue(("functions", name, "handler"), str(error))
+        declared = declared_by.get(name)
         for i, model in enumerate(fn.models):
             if model not in ZOO:
                 doc.issue(("functions", name, "models", i), str(UnknownModelError(model, list(ZOO))))
@@ -227,6 +225,25 @@ def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -
         return spec
     functions = {name: filled.get(name, fn) for name, fn in spec.functions.items()}
     return spec.model_copy(update={"functions": functions}).with_base_dir(spec.base_dir)
+
+
+def _check_handlers(doc: _Document, spec: WorkflowSpec) -> dict[str, list[str] | None]:
+    """The models each usable handler declares; an issue for every other one. Handlers must be the
+    workflow's own code, and are imported in a child process, never in this one."""
+    refs: dict[str, str] = {}
+    for name, fn in spec.functions.items():
+        try:
+            check_target(fn.handler, spec.base_dir)
+            refs[name] = fn.handler
+        except HandlerError as error:
+            doc.issue(("functions", name, "handler"), str(error))
+    declared: dict[str, list[str] | None] = {}
+    for name, outcome in (inspect_handlers(refs, spec.base_dir) if refs else {}).items():
+        if isinstance(outcome, HandlerError):
+            doc.issue(("functions", name, "handler"), str(outcome))
+        else:
+            declared[name] = outcome
+    return declared
 
 
 def parse_spec(
