@@ -3,7 +3,8 @@
 - a function of workflow B that finds workflow A's control socket cannot invoke, read from or shut
   down A's proxy (the control key), and A keeps serving;
 - clients of a proxy that dies learn it at once: calls in flight fail with `ProxyDied` naming the exit
-  code (not after their timeout), are counted, and later calls fail immediately.
+  code (not after their timeout), are counted, and later calls fail immediately; through the engine,
+  the requests of a dead proxy fail at once and the next request starts a new proxy.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import pytest
 from streambox.api_proxy.control import AsyncProxyClient, ProxyClient, ProxyDied, launch_proxy
 from streambox.api_proxy.errors import IsolationError
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.config import Config
+from streambox.workflows import Engine, parse_spec
+from streambox.workflows.proxy_invoker import ProxyInvoker
 
 HANDLERS = textwrap.dedent(
     """
@@ -147,3 +151,37 @@ def test_clients_of_a_dead_proxy_fail_at_once_and_count_what_was_lost(handlers_d
     finally:
         proxy.stop()
     assert not proxy.directory.exists()
+
+
+def test_the_engine_fails_a_dead_proxys_requests_at_once_and_the_next_request_restarts_it(handlers_dir):
+    spec = parse_spec(
+        "name: ctle\nslo_ms: 100\ntimeout_ms: 60000\nfunctions:\n"
+        "  sleepy: {handler: fault_ctl_handlers:sleepy, max_instances: 4}\n",
+        "ctle.yaml",
+        handlers_dir,
+    )
+    config = Config.from_env().with_overrides(state_dir=handlers_dir / "state")
+
+    async def scenario():
+        invoker = ProxyInvoker(config, proxy_options={"prefork": 0})
+        engine = Engine(invoker)
+        try:
+            await engine.deploy(spec)
+            pid = invoker._workflows["ctle"].proxy.process.pid
+            runs = [asyncio.ensure_future(engine.run("ctle", {"s": 30})) for _ in range(3)]
+            await asyncio.sleep(1.5)
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            failed = await asyncio.gather(*runs)
+            took = time.monotonic() - t0
+            again = await engine.run("ctle", {"s": 0})
+            return failed, took, again, invoker.proxy_starts
+        finally:
+            await engine.close()
+
+    failed, took, again, starts = asyncio.run(scenario())
+    for result in failed:
+        assert result.status == "error" and result.failed_call == "sleepy"
+        assert "ProxyDied" in result.error and "exited with code -9" in result.error
+    assert took < 2.0  # not the 60 s timeout, nor a wait for end_request
+    assert again.ok and again.output == "slept" and starts == 2
