@@ -44,7 +44,10 @@ from .shm_ring import private_dir
 
 START_ERROR_FILE = "start_error.txt"
 LIVENESS_S = 0.05  # how often a waiting blocking client checks that its proxy process still runs
-LAUNCH_PROXY = "import sys; from streambox.api_proxy.proxy import main; sys.exit(main())"
+LAUNCH_PROXY = (
+    "import sys; from streambox.api_proxy.control import take_key; take_key(); "  # first: a short window
+    "from streambox.api_proxy.proxy import main; sys.exit(main())"
+)
 
 
 KEY_BYTES = 32
@@ -93,6 +96,18 @@ def _exit_reason(process: subprocess.Popen[bytes]) -> str | None:
     return None if code is None else f"the proxy process exited with code {code}"
 
 
+_TAKEN: list[bytes] = []  # the key this process was given (`take_key`), until its guard takes it
+
+
+def take_key() -> None:
+    """(Proxy process, first thing at start) read the control key from the pipe the launcher passed
+    and close it, before anything slow runs: the pipe is readable through /proc while it is open."""
+    fd = os.environ.pop(KEY_FD_ENV, None)
+    if fd is not None:
+        with os.fdopen(int(fd), "rb") as pipe:
+            _TAKEN.append(pipe.read(KEY_BYTES + 1))
+
+
 class ControlGuard:
     """The proxy's side of authentication: unpack a control message and check its key."""
 
@@ -103,12 +118,11 @@ class ControlGuard:
 
     @classmethod
     def for_proxy(cls, address: str) -> ControlGuard:
-        """The key the launcher piped to this process (`KEY_FD_ENV`); a proxy started inside its
+        """The key the launcher piped to this process (`take_key`); a proxy started inside its
         client's process (tests) makes one and registers it for the clients there."""
-        fd = os.environ.pop(KEY_FD_ENV, None)
-        if fd is not None:
-            with os.fdopen(int(fd), "rb") as pipe:
-                return cls(pipe.read(KEY_BYTES + 1))
+        take_key()  # a no-op when the launch command took it already
+        if _TAKEN:
+            return cls(_TAKEN.pop())
         key = secrets.token_bytes(KEY_BYTES)
         _KNOWN[address] = _Known(key, None)
         return cls(key)
