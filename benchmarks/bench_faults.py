@@ -90,6 +90,7 @@ def workflow_yaml(name: str) -> str:
 
 
 FAULTS = ("crash", "hang", "raise", "flood")
+QUANTILES = ("p50_ms", "p99_ms")
 
 
 def schedule(requests: int, fault_share: float, fuzz: bool, seed: int) -> list[tuple[str, str]]:
@@ -124,6 +125,10 @@ async def run_phase(
 def summarize(results: list[tuple[str, str, RequestResult]]) -> dict[str, Any]:
     good = [r for _, kind, r in results if kind == "ok"]
     latencies = sorted(r.latency_s for r in good if r.ok)
+    by_workflow = {}
+    for name in ("mixed", "clean"):
+        own = sorted(r.latency_s for w, kind, r in results if kind == "ok" and w == name and r.ok)
+        by_workflow[name] = {"p50_ms": 1e3 * statistics.median(own), "p99_ms": 1e3 * _p99(own)} if own else {}
     faulty: dict[str, Counter[str]] = {}
     for _, kind, r in results:
         if kind != "ok":
@@ -134,6 +139,7 @@ def summarize(results: list[tuple[str, str, RequestResult]]) -> dict[str, Any]:
         "good_p50_ms": 1e3 * statistics.median(latencies) if latencies else None,
         "good_p99_ms": 1e3 * _p99(latencies) if latencies else None,
         "good_failures": [r.error for r in good if not r.ok][:5],
+        "good_by_workflow": by_workflow,
         "faulty": {kind: dict(c) for kind, c in sorted(faulty.items())},
     }
 
@@ -208,6 +214,11 @@ def report(results: dict[str, Any]) -> None:
     p99_ratio = results["with_faults"]["good_p99_ms"] / results["fault_free"]["good_p99_ms"]
     p50_ratio = results["with_faults"]["good_p50_ms"] / results["fault_free"]["good_p50_ms"]
     rows.append(["ratio (faulty / fault-free)", "", f"{p50_ratio:.2f}", f"{p99_ratio:.2f}"])
+    for name in ("mixed", "clean"):
+        free, faulty = (results[p]["good_by_workflow"].get(name) for p in ("fault_free", "with_faults"))
+        if free and faulty:
+            cells = [f"{faulty[q]:.1f} / {free[q]:.1f} = {faulty[q] / free[q]:.2f}" for q in QUANTILES]
+            rows.append([f"  {name} only: faulty / fault-free", "", *cells])
     print_table("well-behaved requests", ["phase", "ok / total", "p50 ms", "p99 ms"], rows)
     faulty = results["with_faults"]["faulty"]
     print_table(
