@@ -128,7 +128,8 @@ def cmd_invoke(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --input FILE or --sample")
     event = load_event(args.input) if args.input else sample_event(args.name, args.seed)
     try:
-        response = invoke(args.name, event, url=args.url, timeout_s=args.timeout)
+        token = Path(args.token_file).read_text().strip() if args.token_file else None
+        response = invoke(args.name, event, url=args.url, timeout_s=args.timeout, token=token)
     except GatewayUnreachable as error:
         print(f"streambox invoke: error: {error}", file=sys.stderr)
         return 2
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     invoke.add_argument("--seed", type=int, default=0)
     invoke.add_argument("--url", default="http://127.0.0.1:8080")
     invoke.add_argument("--timeout", type=float, default=None, help="seconds")
+    invoke.add_argument("--token-file", help="a file holding the gateway's bearer token")
     invoke.set_defaults(handler=cmd_invoke)
 
     from streambox.replay.cli import add_commands as add_replay_commands

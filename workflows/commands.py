@@ -207,14 +207,20 @@ class InvokeResponse:
 
 
 async def invoke_async(
-    name: str, event: dict[str, Any], *, url: str = DEFAULT_URL, timeout_s: float | None = None
+    name: str,
+    event: dict[str, Any],
+    *,
+    url: str = DEFAULT_URL,
+    timeout_s: float | None = None,
+    token: str | None = None,
 ) -> InvokeResponse:
     target = f"{url.rstrip('/')}/workflows/{name}/invoke"
     client_timeout = aiohttp.ClientTimeout(total=timeout_s)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
         async with (
             aiohttp.ClientSession(timeout=client_timeout) as session,
-            session.post(target, json=event) as response,
+            session.post(target, json=event, headers=headers) as response,
         ):
             try:
                 body = await response.json(content_type=None)
@@ -228,10 +234,16 @@ async def invoke_async(
 
 
 def invoke(
-    name: str, event: dict[str, Any], *, url: str = DEFAULT_URL, timeout_s: float | None = None
+    name: str,
+    event: dict[str, Any],
+    *,
+    url: str = DEFAULT_URL,
+    timeout_s: float | None = None,
+    token: str | None = None,
 ) -> InvokeResponse:
-    """`streambox invoke NAME --input FILE [--url URL]`: one request through a running gateway."""
-    return asyncio.run(invoke_async(name, event, url=url, timeout_s=timeout_s))
+    """`streambox invoke NAME --input FILE [--url URL] [--token-file PATH]`: one request through a
+    running gateway (with its bearer token, when it wants one)."""
+    return asyncio.run(invoke_async(name, event, url=url, timeout_s=timeout_s, token=token))
 
 
 async def run_local_async(

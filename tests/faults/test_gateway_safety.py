@@ -9,6 +9,7 @@ import logging
 import aiohttp
 import pytest
 
+from streambox.workflows.commands import invoke_async
 from streambox.workflows.engine import Engine
 from streambox.workflows.gateway import MAX_JSON_DEPTH, Gateway, GatewayServer, is_loopback, json_depth
 from streambox.workflows.validation import parse_spec
@@ -65,6 +66,8 @@ def test_a_token_guards_every_route_but_healthz(local_invoker):
                 out[f"{name}-metrics"] = r.status
         async with session.get(f"{url}/healthz") as r:
             out["healthz"] = r.status
+        out["cli"] = (await invoke_async("echo", {"value": 2}, url=url, token=TOKEN)).http_status
+        out["cli-no-token"] = (await invoke_async("echo", {"value": 2}, url=url)).http_status
         return out
 
     out = _serve(local_invoker, scenario, token=TOKEN)
@@ -76,6 +79,8 @@ def test_a_token_guards_every_route_but_healthz(local_invoker):
         "right": 200,
         "right-metrics": 200,
         "healthz": 200,
+        "cli": 200,
+        "cli-no-token": 401,
     }
     with pytest.raises(ValueError, match="at least 16 characters"):
         Gateway(None, token="short")  # type: ignore[arg-type]
