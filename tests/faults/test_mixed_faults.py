@@ -101,7 +101,9 @@ def test_offenders_fail_alone_and_leave_nothing_behind(tmp_path):
         assert any("malformed message" in v for k, _, (s, v) in results if k == "frame")
         assert proxy.alive and lost == 0
         assert after["buffers"] == 0 and after["keys"] == 0
-        assert after["pool"]["allocated_bytes"] == before["pool"]["allocated_bytes"]
+        # Not above the level before the load (that level may still hold the warm-up's stream-ordered
+        # free, so "equal" would be too strict).
+        assert after["pool"]["allocated_bytes"] <= before["pool"]["allocated_bytes"]
         assert after["instances_died"] >= 9  # 3 crashes, 3 hangs killed, 3 malformed senders ended
     finally:
         proxy.stop()
