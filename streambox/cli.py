@@ -114,6 +114,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             invoker_factory=factory,
             on_ready=lambda url: print(f"serving on {url} (Ctrl-C stops)", flush=True),
             small=inputs == "small",
+            allow_remote=args.allow_remote,
+            token=Path(args.token_file).read_text().strip() if args.token_file else None,
         )
     return 0
 
@@ -129,7 +131,8 @@ def cmd_invoke(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --input FILE or --sample")
     event = load_event(args.input) if args.input else sample_event(args.name, args.seed)
     try:
-        response = invoke(args.name, event, url=args.url, timeout_s=args.timeout)
+        token = Path(args.token_file).read_text().strip() if args.token_file else None
+        response = invoke(args.name, event, url=args.url, timeout_s=args.timeout, token=token)
     except GatewayUnreachable as error:
         print(f"streambox invoke: error: {error}", file=sys.stderr)
         return 2
@@ -176,6 +179,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--allow-remote", action="store_true", help="let --host be non-loopback (warns; use a token)"
+    )
+    p.add_argument("--token-file", help="a file holding the bearer token every caller must send")
     add_setting_flags(p, RUN, MECHANISMS, DEVICE)
     add_deprecated_alias(p, "--small", "inputs", "small")
     p.set_defaults(handler=cmd_serve)
@@ -188,6 +195,7 @@ def _invoke_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--timeout", type=float, default=None, help="seconds")
+    p.add_argument("--token-file", help="a file holding the gateway's bearer token")
     p.set_defaults(handler=cmd_invoke)
 
 

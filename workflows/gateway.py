@@ -11,12 +11,20 @@ Routes:
 - ``GET /workflows``: the deployed workflows (SLO, functions, edges).
 - ``GET /healthz``: ``{"status": "ok", "workflows": [...]}``.
 - ``GET /metrics``: Prometheus text format (`metrics.py`).
+
+Safety: an event nested deeper than `MAX_JSON_DEPTH` is refused with 400 (not a 500 from the
+parser's recursion); with a `token`, every route but ``/healthz`` wants ``Authorization: Bearer
+<token>`` (401 otherwise); `GatewayServer` binds beyond the loopback interface only with
+`allow_remote=True`, and warns when it does (louder without a token).
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -28,11 +36,36 @@ from .metrics import GatewayMetrics
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+MAX_JSON_DEPTH = 64  # nesting of an event's objects and lists
+OPEN_ROUTES = frozenset({"/healthz"})  # answered without the bearer token
 _HTTP_STATUS = {"ok": 200, "error": 500, "timeout": 504}
 
 
 def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and lists nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def is_loopback(host: str) -> bool:
+    """True for names and addresses that reach only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Gateway:
@@ -44,13 +77,32 @@ class Gateway:
         *,
         stats: StatsSource | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        token: str | None = None,
     ) -> None:
+        """`token`: when set, callers must send it as a bearer token (see the module docstring)."""
+        if token is not None and len(token) < 16:
+            raise ValueError("a gateway token needs at least 16 characters")
         self.engine = engine
         self.metrics = GatewayMetrics(stats)
         self.max_body_bytes = max_body_bytes
+        self.token = token
+
+    @web.middleware
+    async def _authenticate(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if self.token is not None and request.path not in OPEN_ROUTES:
+            sent = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
+                return web.json_response(
+                    {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"},
+                    status=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await handler(request)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authenticate])
         app.add_routes(
             [
                 web.post("/workflows/{name}/invoke", self.invoke),
@@ -70,6 +122,10 @@ class Gateway:
             event = json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             return _error(400, f"the body is not JSON: {error}")
+        except RecursionError:
+            return _error(400, f"the body nests objects or lists more than {MAX_JSON_DEPTH} levels deep")
+        if json_depth(event) > MAX_JSON_DEPTH:
+            return _error(400, f"the body nests objects or lists more than {MAX_JSON_DEPTH} levels deep")
         if not isinstance(event, dict):
             return _error(400, f"the body must be a JSON object (the event), got {type(event).__name__}")
         timeout_s = spec.timeout_ms / 1e3
@@ -127,7 +183,20 @@ class Gateway:
 class GatewayServer:
     """Runs a gateway on host:port (port 0: a free port) inside the running event loop."""
 
-    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, *, allow_remote: bool = False
+    ) -> None:
+        if not is_loopback(host):
+            if not allow_remote:
+                raise ValueError(
+                    f"binding the gateway to {host!r} exposes it beyond this machine; pass allow_remote "
+                    "(`streambox serve --allow-remote`), and set a bearer token (--token-file)"
+                )
+            log.warning(
+                "the gateway listens on %s, reachable beyond this machine%s",
+                host,
+                "" if gateway.token else " and WITHOUT authentication: anyone who reaches it can invoke",
+            )
         self.gateway = gateway
         self.host = host
         self.port = port

@@ -279,7 +279,8 @@ class Instance:
         self.invoker = LocalInvoker.open(config, system="stream-only", device=int(args["device"]))
         try:
             self.runtime = self.invoker.runtime
-            client = redis.Redis(host="127.0.0.1", port=int(args["redis_port"]))
+            password = Path(args["redis_password_file"]).read_text()
+            client = redis.Redis(host="127.0.0.1", port=int(args["redis_port"]), password=password)
             client.ping()
             self.wf = _InstanceWorkflow(self.invoker, spec, {self.function: handler}, client)
             self.stream = self.runtime.create_stream()
