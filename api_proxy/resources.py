@@ -225,6 +225,11 @@ class Resources:
                 f"handle {h.address:#x} names no live buffer of workflow {self.workflow!r} "
                 f"(freed, or never allocated here)"
             )
+        if inv.holder not in buf.holders:  # another invocation's buffer: only its holders may name it
+            raise IsolationError(
+                f"handle {h.address:#x} names a buffer this invocation neither made nor was handed "
+                f"(request {inv.request_id!r}); pass data between invocations by key (put/get)"
+            )
         itemsize = DTYPES[h.dtype]
         extent = sum((d - 1) * s for d, s in zip(h.shape, h.strides, strict=True))
         span = 0 if h.numel == 0 else itemsize * (1 + extent)
