@@ -62,7 +62,6 @@ from streambox.io_daemon import CopyRequest, IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.ops import invoke_kernel
 from streambox.kernel_compiler.plan import KernelPlan
-from streambox.kernel_compiler.zoo import get_entry
 from streambox.memory_pool.idle import PoolIdleMemory
 
 from . import wire
@@ -365,7 +364,7 @@ class ProxyServer:
         shape), its weights resident. A plan the model pool lacks is lowered here, once (blocking:
         for start-up; at serve time `_plan_for` reads or lowers plans on a helper thread)."""
         if shape is None:
-            entry = get_entry(model)  # UnknownModelError names the zoo's models
+            entry = self.model_pool.entry(model)  # zoo or registered; UnknownModelError names both
             shape = entry.small_input_shape if self.config.model_shapes == "small" else None
             shape = tuple(shape or entry.input_shape)
         key = (model, batch, tuple(shape))

@@ -35,7 +35,6 @@ from streambox.api_proxy.executor import DeviceModel, PlanExecutor, StreamPoolAl
 from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.model_pool import ModelPool
-from streambox.kernel_compiler.zoo import get_entry
 
 from .handlers import Handler, resolve_handler
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
@@ -273,7 +272,7 @@ class LocalContext:
             x = self.upload(x)
         if not isinstance(x, DeviceTensor):
             raise TypeError(f"infer takes a device tensor handle or a CPU tensor, got {type(x).__name__}")
-        want = get_entry(model).input_dtype
+        want = self._wf.model_pool.entry(model).input_dtype
         if x.dtype != want or len(x.shape) < 2:
             raise ValueError(
                 f"model {model!r} takes a batch of {want} inputs [B, ...], got {x.dtype} {list(x.shape)}"

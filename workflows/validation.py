@@ -23,7 +23,7 @@ from yaml.constructor import SafeConstructor
 from yaml.error import Mark
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from streambox.kernel_compiler.zoo import ZOO, UnknownModelError
+from streambox.kernel_compiler.model_pool import unknown_model
 
 from .handlers import HandlerError, declared_models, resolve_handler
 from .spec import HANDLER_PATTERN, NAME_PATTERN, EdgeSpec, FunctionSpec, WorkflowSpec, check_graph
@@ -173,8 +173,8 @@ def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -
             except HandlerError as error:
                 doc.issue(("functions", name, "handler"), str(error))
         for i, model in enumerate(fn.models):
-            if model not in ZOO:
-                doc.issue(("functions", name, "models", i), str(UnknownModelError(model, list(ZOO))))
+            if problem := unknown_model(model):  # neither the zoo's nor registered in the model pool
+                doc.issue(("functions", name, "models", i), problem)
             elif model in fn.models[:i]:
                 doc.issue(("functions", name, "models", i), f"model {model!r} is listed twice")
         if declared is not None:
