@@ -339,7 +339,7 @@ def register(
 
     program, static_batch = None, None
     if pt2 is not None:
-        file = str(pt2)
+        file = str(Path(pt2).resolve())
         if not Path(pt2).is_file():
             raise ModelRegistrationError(file, "no such file")
         try:
@@ -377,7 +377,8 @@ def register(
         if weights is not None:
             if not Path(weights).is_file():
                 raise ModelRegistrationError(str(weights), "no such file")
-            _load_weights(eager, Path(weights))
+            weights = Path(weights).resolve()
+            _load_weights(eager, weights)
         shape = tuple(input_shape) if input_shape is not None else factory_shape
         if shape is None:
             raise ModelRegistrationError(

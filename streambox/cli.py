@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     from streambox.workflows.burst import add_commands as add_burst_commands
 
     add_burst_commands(commands)
+
+    from streambox.models_cli import add_commands as add_models_commands  # argparse only: no torch
+
+    add_models_commands(commands)
     return parser
 
 
