@@ -122,9 +122,17 @@ def cmd_invoke(args: argparse.Namespace) -> int:
     from streambox.workflows.commands import GatewayUnreachable, invoke, load_event
     from streambox.workflows.examples import sample_event
 
-    if (args.input is None) == (not args.sample):
-        raise ValueError("give exactly one of --input FILE or --sample")
-    event = load_event(args.input) if args.input else sample_event(args.name, args.seed)
+    if args.input is not None and args.sample:
+        raise ValueError("give at most one of --input FILE or --sample")
+    if args.input is None and not args.sample and args.image is None:
+        raise ValueError("give --input FILE, --sample or --image FILE")
+    event = {}
+    if args.input or args.sample:
+        event = load_event(args.input) if args.input else sample_event(args.name, args.seed)
+    if args.image is not None:  # JPEG/PNG/.npy file bytes as the event's base64 "image"
+        from streambox.workflows.image_input import image_field
+
+        event = {**event, "image": image_field(Path(args.image).read_bytes())}
     try:
         response = invoke(args.name, event, url=args.url, timeout_s=args.timeout)
     except GatewayUnreachable as error:
@@ -194,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     invoke.add_argument("name", help="workflow name")
     invoke.add_argument("--input", help="JSON file holding the event")
     invoke.add_argument("--sample", action="store_true", help="send a seeded synthetic event instead")
+    invoke.add_argument("--image", help="a JPEG, PNG or .npy image file: the event's 'image' (base64)")
     invoke.add_argument("--seed", type=int, default=0)
     invoke.add_argument("--url", default="http://127.0.0.1:8080")
     invoke.add_argument("--timeout", type=float, default=None, help="seconds")

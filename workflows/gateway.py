@@ -2,12 +2,13 @@
 
 Routes:
 
-- ``POST /workflows/{name}/invoke``: the JSON body is the event of the workflow's entry functions.
+- ``POST /workflows/{name}/invoke``: the JSON body is the event of the workflow's entry functions (a
+  JPEG/PNG body or a multipart upload becomes one: ``image_input.py``).
   Each request gets a new request id (also in the ``X-Request-Id`` response header) that scopes its
   keys. ``?timeout_ms=`` may shorten the workflow's ``timeout_ms`` (never lengthen it). Answers 200
   with the output and the per-function breakdown, 500 when a function failed, 504 on a timeout (both
   with the same body plus ``error`` and ``failed_call``), 404 for an unknown workflow, 400 for a body
-  that is not a JSON object.
+  that is not an event.
 - ``GET /workflows``: the deployed workflows (SLO, functions, edges).
 - ``GET /healthz``: ``{"status": "ok", "workflows": [...]}``.
 - ``GET /metrics``: Prometheus text format (`metrics.py`).
@@ -15,13 +16,13 @@ Routes:
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from aiohttp import web
 
 from .engine import Engine
+from .image_input import BodyError, event_from_body
 from .invoker import StatsSource
 from .metrics import GatewayMetrics
 
@@ -66,12 +67,10 @@ class Gateway:
         spec = self.engine.specs.get(name)
         if spec is None:
             return _error(404, f"unknown workflow {name!r}", workflows=sorted(self.engine.specs))
-        try:
-            event = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return _error(400, f"the body is not JSON: {error}")
-        if not isinstance(event, dict):
-            return _error(400, f"the body must be a JSON object (the event), got {type(event).__name__}")
+        try:  # a JSON event, a JPEG/PNG body or a multipart upload (workflows/image_input.py)
+            event = event_from_body(request.headers.get("Content-Type", ""), await request.read())
+        except BodyError as error:
+            return _error(400, str(error))
         timeout_s = spec.timeout_ms / 1e3
         if "timeout_ms" in request.query:
             try:
