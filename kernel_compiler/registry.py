@@ -259,6 +259,14 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}"
 
 
+def _refuse_control_flow(graph: torch.fx.Graph) -> None:
+    """Name the first control-flow construct (a higher-order op such as ``cond``): a plan is a
+    straight line of kernels."""
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            raise LoweringError(f"node {node.name}: control-flow op torch.{node.target.name()}")
+
+
 def _lower(
     file: str, ref: str, eager: nn.Module, example: torch.Tensor, program: Any | None = None
 ) -> KernelPlan:
@@ -271,6 +279,7 @@ def _lower(
             with torch.no_grad():
                 program = torch.export.export(eager, (example,))
         ep = program.run_decompositions()  # default table: core ATen
+        _refuse_control_flow(ep.graph)
         plan = lower_program(ep, ref, int(example.shape[0]), list(example.shape[1:]), example.dtype)
         plan.meta["lowering_s"] = round(time.perf_counter() - start, 3)
     except LoweringError as error:

@@ -38,6 +38,10 @@ FACTORY = textwrap.dedent(
     class Branchy(nn.Module):
         def forward(self, x):
             return torch.cond(x.sum() > 0, lambda x: x + 1, lambda x: x - 1, (x,))
+
+    class Itemy(nn.Module):
+        def forward(self, x):
+            return x * x.max().item()
     """
 )
 
@@ -137,9 +141,16 @@ def test_unsupported_model_names_the_construct_and_leaves_nothing(tmp_path, fact
     with pytest.raises(registry.UnsupportedModelError) as caught:
         registry.register(root, "branchy", pt2=path)
     message = str(caught.value)
-    assert str(path) in message and "cond" in message and "Supported:" in message
+    assert str(path) in message and "node cond: control-flow op torch.cond" in message
+    assert "Supported: one tensor input" in message
     assert list(root.iterdir()) == []
     assert ModelPool(root).list() == [] and registry.registered(root) == []
+
+    path = tmp_path / "itemy.pt2"
+    torch.export.save(torch.export.export(factory_module.Itemy(), (torch.rand(1, 4),)), path)
+    with pytest.raises(registry.UnsupportedModelError, match=r"itemy\.pt2: .*aten\._local_scalar_dense"):
+        registry.register(root, "itemy", pt2=path)
+    assert list(root.iterdir()) == []
 
 
 def test_bad_names_and_sources_are_refused(tmp_path, factory_module):
