@@ -140,7 +140,8 @@ def test_handlers_must_import_and_take_ctx_and_event():
     )
 
 
-def test_unknown_models_list_the_zoo():
+def test_unknown_models_list_the_zoo(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path))  # an empty pool: no registered models
     text = "name: demo\nslo_ms: 100\nfunctions:\n  a:\n    handler: wf_test_handlers:echo\n"
     assert errors(text + "    models: [resnet18, resnet19, resnet18]\n") == [
         f"demo.yaml:6:24: functions.a.models[1]: unknown model 'resnet19'; known models: {ZOO_NAMES}",
