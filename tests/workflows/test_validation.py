@@ -16,6 +16,12 @@ ZOO_NAMES = (
 )
 
 
+@pytest.fixture(autouse=True)
+def empty_model_pool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Known models are the zoo's plus those registered in the pool: start from an empty pool."""
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path_factory.mktemp("model_pool")))
+
+
 def errors(text: str) -> list[str]:
     with pytest.raises(WorkflowValidationError) as info:
         parse_spec(text, "demo.yaml", HERE)
@@ -140,8 +146,7 @@ def test_handlers_must_import_and_take_ctx_and_event():
     )
 
 
-def test_unknown_models_list_the_zoo(tmp_path, monkeypatch):
-    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path))  # an empty pool: no registered models
+def test_unknown_models_list_the_zoo():
     text = "name: demo\nslo_ms: 100\nfunctions:\n  a:\n    handler: wf_test_handlers:echo\n"
     assert errors(text + "    models: [resnet18, resnet19, resnet18]\n") == [
         f"demo.yaml:6:24: functions.a.models[1]: unknown model 'resnet19'; known models: {ZOO_NAMES}",
