@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -77,9 +78,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         "SHA-256",
         "Input",
         "Batches",
-        "Weights MiB",
-        "Peak MiB",
-        "ms/inf",
+        "Weights",
+        "Peak live",
+        "ms/inference",
         "Lowered",
     )
     for column in columns:
@@ -97,7 +98,8 @@ def cmd_list(args: argparse.Namespace) -> int:
             f"{first.modelled_s * 1e3:.3f} (b{first.batch}, {r.preset})",
             datetime.fromisoformat(r.lowered_at).strftime("%Y-%m-%d %H:%M"),
         )
-    Console().print(table)
+    # Piped output gets wide lines rather than a table folded to 80 columns.
+    Console(width=None if sys.stdout.isatty() else 240).print(table)
     print("ms/inference: modelled by kernel_compiler.cost_model for the batch and device preset named")
     return 0
 
