@@ -3,9 +3,9 @@ workflow served through the gateway from a PNG body."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
-import threading
 
 import aiohttp
 import numpy as np
@@ -14,7 +14,6 @@ import torch
 from torchvision.io import encode_jpeg, encode_png
 
 from streambox.cli import main
-from streambox.workflows.commands import serve
 from streambox.workflows.engine import Engine
 from streambox.workflows.examples import load_example
 from streambox.workflows.examples.imaging import encode_image, synthetic_image
@@ -25,7 +24,7 @@ from streambox.workflows.image_input import (
     event_from_body,
     image_field,
 )
-from streambox.workflows.local import LocalInvoker
+from streambox.workflows.validation import parse_spec
 
 
 def _image() -> np.ndarray:
@@ -131,42 +130,36 @@ def test_a_bundled_workflow_takes_a_png_body_and_a_multipart_upload(make_invoker
     assert refused[0] == 400 and "not a JPEG or PNG" in refused[1]["error"]
 
 
-def test_invoke_command_sends_an_image_file(tmp_path, runtime, pool, capsys):
+def test_invoke_command_sends_an_image_file(tmp_path, make_invoker, run, capsys, monkeypatch):
     (tmp_path / "image_handlers.py").write_text(
         "from streambox.workflows.image_input import decode_image_field\n"
         "def size(ctx, event):\n"
         "    return {'shape': list(decode_image_field(event['image']).shape), 'tag': event.get('tag')}\n"
     )
-    workflow = tmp_path / "sizes.yaml"
-    workflow.write_text("name: sizes\nslo_ms: 50\nfunctions:\n  size: {handler: image_handlers:size}\n")
-    (tmp_path / "photo.png").write_bytes(_png(_image()))
-    (tmp_path / "event.json").write_text(json.dumps({"tag": "mine"}))
-    ready: list[str] = []
-    stop = threading.Event()
-    thread = threading.Thread(
-        target=serve,
-        args=([workflow],),
-        kwargs={
-            "port": 0,
-            "invoker_factory": lambda config, system: LocalInvoker(runtime, pool, system=system),
-            "on_ready": ready.append,
-            "stop": stop,
-        },
-    )
-    thread.start()
-    try:
-        for _ in range(200):
-            if ready or not thread.is_alive():
-                break
-            threading.Event().wait(0.05)
-        (url,) = ready
-        photo, event = str(tmp_path / "photo.png"), str(tmp_path / "event.json")
-        assert main(["invoke", "sizes", "--image", photo, "--input", event, "--url", url]) == 0
-        body = json.loads(capsys.readouterr().out)
-        assert body["output"] == {"shape": [3, 40, 56], "tag": "mine"}
-        assert main(["invoke", "sizes", "--image", event, "--url", url]) == 2
-        assert "not an image: expected JPEG, PNG or .npy" in capsys.readouterr().err
-    finally:
-        stop.set()
-        thread.join(10)
-    assert not thread.is_alive()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = parse_spec("name: sizes\nslo_ms: 50\nfunctions:\n  size: {handler: image_handlers:size}\n")
+    photo, event = tmp_path / "photo.png", tmp_path / "event.json"
+    photo.write_bytes(_png(_image()))
+    event.write_text(json.dumps({"tag": "mine"}))
+
+    async def go():
+        engine = Engine(make_invoker())
+        await engine.deploy(spec)
+        server = GatewayServer(Gateway(engine))
+        await server.start()
+        try:  # the command runs its own event loop: give it a thread
+            sent = await asyncio.to_thread(
+                main, ["invoke", "sizes", "--image", str(photo), "--input", str(event), "--url", server.url]
+            )
+            refused = await asyncio.to_thread(
+                main, ["invoke", "sizes", "--image", str(event), "--url", server.url]
+            )
+        finally:
+            await server.stop()
+            await engine.close()
+        return sent, refused
+
+    sent, refused = run(go())
+    out, err = capsys.readouterr()
+    assert sent == 0 and json.loads(out)["output"] == {"shape": [3, 40, 56], "tag": "mine"}
+    assert refused == 2 and "not an image: expected JPEG, PNG or .npy" in err
