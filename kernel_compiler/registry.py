@@ -11,65 +11,61 @@ Layout: ``root/<name>@<version>/`` holds ``model.json`` (the ``ModelRecord``), t
 (``source.pt2``, or ``state.safetensors``: the factory module's weights as registered) and one plan
 directory per batch in the model pool's own layout (``b<batch>_<shape>/``). The whole directory is
 built under a temporary name and renamed into place in one step: a failed registration leaves nothing.
-``name`` alone means the latest version.
+``name`` alone means the latest version. Turning a model into a checked plan: ``model_import``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import re
 import shutil
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_model
+from safetensors.torch import load_model, save_model
 from torch import nn
 from torch.export.graph_signature import InputKind
-from torch.utils._pytree import tree_leaves
 
 from .argcodec import dtype_from_name, dtype_name
-from .lowering import LoweringError, lower_program
 from .memory_profile import profile_plan
+from .model_import import (
+    ModelRegistrationError,
+    UnsupportedModelError,
+    call_factory,
+    check_plan,
+    example_for,
+    first_line,
+    load_weights,
+    lower_for,
+)
 from .plan import PLAN_FILE, KernelPlan
-from .reference import plan_outputs
-from .zoo import SEED, ZOO, ModelEntry
+from .zoo import ZOO, ModelEntry
+
+__all__ = [
+    "BatchReport",
+    "ModelRecord",
+    "ModelRegistrationError",
+    "UnsupportedModelError",
+    "find",
+    "load_module",
+    "parse_ref",
+    "register",
+    "registered",
+    "remove",
+    "verify",
+]
 
 MANIFEST = "model.json"
 SOURCE_PT2 = "source.pt2"
 STATE_FILE = "state.safetensors"
 DEFAULT_PRESET = "v100-16gb"
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
-SUPPORTED = (
-    "one tensor input of a static shape (batch first); tensor outputs; core ATen ops after "
-    "torch.export (ops with a .out overload run in place of their destination, others as fallback "
-    "kernels); no control-flow ops (torch.cond, while_loop), data-dependent shapes or .item()"
-)
-
-
-class ModelRegistrationError(ValueError):
-    """A model that cannot be registered; the message names the file and what is wrong."""
-
-    def __init__(self, file: str, problem: str) -> None:
-        super().__init__(f"{file}: {problem}")
-        self.file = file
-        self.problem = problem
-
-
-class UnsupportedModelError(ModelRegistrationError):
-    """Export or lowering failed: the message names the op or construct, what is supported, the file."""
-
-    def __init__(self, file: str, construct: str) -> None:
-        super().__init__(file, f"cannot lower this model: {construct.rstrip('.')}. Supported: {SUPPORTED}")
-        self.construct = construct
 
 
 @dataclass
@@ -196,124 +192,21 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _call_factory(factory: str) -> tuple[nn.Module, tuple[int, ...] | None]:
-    """Import and call ``package.module:build``; it returns a module, or (module, input shape)."""
-    module_name, colon, attr = factory.partition(":")
-    if not colon or not module_name or not attr:
-        raise ModelRegistrationError(factory, "a factory is written package.module:function")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ModelRegistrationError(factory, f"cannot import the factory: {error}") from None
-    built = fn()
-    shape = None
-    if isinstance(built, tuple) and len(built) == 2:
-        built, shape = built
-        shape = tuple(int(d) for d in shape)
-    if not isinstance(built, nn.Module):
-        raise ModelRegistrationError(
-            factory, f"the factory returned {type(built).__name__}, not an nn.Module"
-        )
-    shape = shape or getattr(built, "example_input_shape", None)
-    return built.eval(), tuple(shape) if shape is not None else None
-
-
-def _load_weights(module: nn.Module, weights: Path) -> None:
-    if weights.suffix == ".safetensors":
-        state = load_file(str(weights))
-    else:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ModelRegistrationError(str(weights), f"holds a {type(state).__name__}, not a state dict")
-    try:
-        module.load_state_dict(state, strict=True)
-    except RuntimeError as error:
-        raise ModelRegistrationError(str(weights), f"does not fit the factory's module: {error}") from None
-
-
 def load_module(root: Path, record: ModelRecord) -> nn.Module:
     """The eager module of a registered version, from the copy the pool keeps."""
     model_dir = root / record.ref
     if record.source_kind == "pt2":
         return torch.export.load(model_dir / SOURCE_PT2).module()
-    module, _ = _call_factory(record.source)
+    module, _ = call_factory(record.source)
     load_model(module, str(model_dir / STATE_FILE))
     return module.eval()
-
-
-def example_for(shape: Sequence[int], dtype: torch.dtype, batch: int) -> torch.Tensor:
-    """The seeded input registration checks a plan with."""
-    gen = torch.Generator().manual_seed(SEED + 1)
-    if dtype.is_floating_point:
-        return torch.rand((batch, *shape), generator=gen, dtype=dtype)
-    return torch.randint(0, 2, (batch, *shape), generator=gen, dtype=dtype)
-
-
-# --- lowering and checking -------------------------------------------------------------------------
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return f"{type(error).__name__}: {text.splitlines()[0]}"
-
-
-def _refuse_control_flow(graph: torch.fx.Graph) -> None:
-    """Name the first control-flow construct (a higher-order op such as ``cond``): a plan is a
-    straight line of kernels."""
-    for node in graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
-            raise LoweringError(f"node {node.name}: control-flow op torch.{node.target.name()}")
-
-
-def _lower(
-    file: str, ref: str, eager: nn.Module, example: torch.Tensor, program: Any | None = None
-) -> KernelPlan:
-    """Lower for ``example``'s shape; export and lowering failures become ``UnsupportedModelError``."""
-    start = time.perf_counter()
-    try:
-        if program is None:
-            if not isinstance(eager, torch.fx.GraphModule):  # a .pt2's module refuses eval(); it has no modes
-                eager.eval()
-            with torch.no_grad():
-                program = torch.export.export(eager, (example,))
-        ep = program.run_decompositions()  # default table: core ATen
-        _refuse_control_flow(ep.graph)
-        plan = lower_program(ep, ref, int(example.shape[0]), list(example.shape[1:]), example.dtype)
-        plan.meta["lowering_s"] = round(time.perf_counter() - start, 3)
-    except LoweringError as error:
-        raise UnsupportedModelError(file, str(error)) from error
-    except Exception as error:  # torch.export raises many types; all of them mean "cannot export"
-        raise UnsupportedModelError(file, f"torch.export failed with {_first_line(error)}") from error
-    if len(plan.inputs) != 1:
-        raise UnsupportedModelError(file, f"the model takes {len(plan.inputs)} tensor inputs, not one")
-    return plan
-
-
-def check_plan(file: str, plan: KernelPlan, eager: nn.Module, example: torch.Tensor) -> float:
-    """The largest |plan - eager| over the outputs for ``example``; raises if they disagree."""
-    with torch.no_grad():
-        want = [t for t in tree_leaves(eager(example)) if isinstance(t, torch.Tensor)]
-    got = plan_outputs(plan, [example])
-    shapes_got, shapes_want = [list(t.shape) for t in got], [list(t.shape) for t in want]
-    if shapes_got != shapes_want:
-        raise ModelRegistrationError(file, f"plan outputs {shapes_got} but eager torch gives {shapes_want}")
-    worst, scale = 0.0, 1.0
-    for w, g in zip(want, got, strict=True):
-        if w.numel():
-            worst = max(worst, float((w.double() - g.double()).abs().max()))
-            scale = max(scale, float(w.double().abs().max()))
-    if not worst <= 1e-4 * scale:  # also catches NaN: a kernel that never wrote its output
-        raise ModelRegistrationError(file, f"the lowered plan differs from eager torch by {worst:.3g}")
-    return worst
 
 
 def lower_registered(root: Path, record: ModelRecord, batch: int, shape: tuple[int, ...]) -> KernelPlan:
     """A plan for a batch or shape the model was not registered with (lowered on first use)."""
     source = str(root / record.ref / SOURCE_PT2) if record.source_kind == "pt2" else record.source
     example = example_for(shape, dtype_from_name(record.input_dtype), batch)
-    return _lower(source, record.ref, load_module(root, record), example)
+    return lower_for(source, record.ref, load_module(root, record), example)
 
 
 # --- registration ----------------------------------------------------------------------------------
@@ -355,7 +248,7 @@ def register(
             program = torch.export.load(pt2)
         except Exception as error:
             raise ModelRegistrationError(
-                file, f"not a torch.export.save file ({_first_line(error)})"
+                file, f"not a torch.export.save file ({first_line(error)})"
             ) from None
         eager = program.module()
         user_inputs = [
@@ -382,12 +275,12 @@ def register(
             )
     else:
         file = str(factory)
-        eager, factory_shape = _call_factory(str(factory))
+        eager, factory_shape = call_factory(str(factory))
         if weights is not None:
             if not Path(weights).is_file():
                 raise ModelRegistrationError(str(weights), "no such file")
             weights = Path(weights).resolve()
-            _load_weights(eager, weights)
+            load_weights(eager, weights)
         shape = tuple(input_shape) if input_shape is not None else factory_shape
         if shape is None:
             raise ModelRegistrationError(
@@ -412,7 +305,7 @@ def register(
         for batch in batches:
             example = example_for(shape, dtype, batch)
             exact = program is not None and batch == static_batch
-            plan = _lower(file, ref, eager, example, program if exact else None)
+            plan = lower_for(file, ref, eager, example, program if exact else None)
             diff = check_plan(file, plan, eager, example)
             profile = profile_plan(plan)
             plan_dir = tmp / f"b{batch}_{'x'.join(map(str, shape))}"
