@@ -2,12 +2,13 @@
 
 Routes:
 
-- ``POST /workflows/{name}/invoke``: the JSON body is the event of the workflow's entry functions.
+- ``POST /workflows/{name}/invoke``: the JSON body is the event of the workflow's entry functions (a
+  JPEG/PNG body or a multipart upload becomes one: ``image_input.py``).
   Each request gets a new request id (also in the ``X-Request-Id`` response header) that scopes its
   keys. ``?timeout_ms=`` may shorten the workflow's ``timeout_ms`` (never lengthen it). Answers 200
   with the output and the per-function breakdown, 500 when a function failed, 504 on a timeout (both
   with the same body plus ``error`` and ``failed_call``), 404 for an unknown workflow, 400 for a body
-  that is not a JSON object.
+  that is not an event.
 - ``GET /workflows``: the deployed workflows (SLO, functions, edges).
 - ``GET /healthz``: ``{"status": "ok", "workflows": [...]}``.
 - ``GET /metrics``: Prometheus text format (`metrics.py`).
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,32 +30,19 @@ from typing import Any
 from aiohttp import web
 
 from .engine import Engine
+from .image_input import MAX_JSON_DEPTH, BodyError, event_from_body, json_depth  # noqa: F401 - re-exported
 from .invoker import StatsSource
 from .metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
-MAX_JSON_DEPTH = 64  # nesting of an event's objects and lists
 OPEN_ROUTES = frozenset({"/healthz"})  # answered without the bearer token
 _HTTP_STATUS = {"ok": 200, "error": 500, "timeout": 504}
 
 
 def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
-
-
-def json_depth(value: Any) -> int:
-    """How deeply objects and lists nest in `value` (a scalar: 0), without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 def is_loopback(host: str) -> bool:
@@ -118,16 +105,10 @@ class Gateway:
         spec = self.engine.specs.get(name)
         if spec is None:
             return _error(404, f"unknown workflow {name!r}", workflows=sorted(self.engine.specs))
-        try:
-            event = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return _error(400, f"the body is not JSON: {error}")
-        except RecursionError:
-            return _error(400, f"the body nests objects or lists more than {MAX_JSON_DEPTH} levels deep")
-        if json_depth(event) > MAX_JSON_DEPTH:
-            return _error(400, f"the body nests objects or lists more than {MAX_JSON_DEPTH} levels deep")
-        if not isinstance(event, dict):
-            return _error(400, f"the body must be a JSON object (the event), got {type(event).__name__}")
+        try:  # a JSON event, a JPEG/PNG body or a multipart upload (workflows/image_input.py)
+            event = event_from_body(request.headers.get("Content-Type", ""), await request.read())
+        except BodyError as error:
+            return _error(400, str(error))
         timeout_s = spec.timeout_ms / 1e3
         if "timeout_ms" in request.query:
             try:

@@ -24,7 +24,7 @@ from yaml.constructor import SafeConstructor
 from yaml.error import Mark
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from streambox.kernel_compiler.zoo import ZOO, UnknownModelError
+from streambox.kernel_compiler.model_pool import unknown_model
 
 from .handler_check import check_target, inspect_handlers
 from .handlers import HandlerError
@@ -208,8 +208,8 @@ def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -
     for name, fn in spec.functions.items():
         declared = declared_by.get(name)
         for i, model in enumerate(fn.models):
-            if model not in ZOO:
-                doc.issue(("functions", name, "models", i), str(UnknownModelError(model, list(ZOO))))
+            if problem := unknown_model(model):  # neither the zoo's nor registered in the model pool
+                doc.issue(("functions", name, "models", i), problem)
             elif model in fn.models[:i]:
                 doc.issue(("functions", name, "models", i), f"model {model!r} is listed twice")
         if declared is not None:

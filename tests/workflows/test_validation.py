@@ -16,6 +16,12 @@ ZOO_NAMES = (
 )
 
 
+@pytest.fixture(autouse=True)
+def empty_model_pool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Known models are the zoo's plus those registered in the pool: start from an empty pool."""
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path_factory.mktemp("model_pool")))
+
+
 def errors(text: str) -> list[str]:
     with pytest.raises(WorkflowValidationError) as info:
         parse_spec(text, "demo.yaml", HERE)
