@@ -352,9 +352,14 @@ MONOLITHIC_DEPRECATED = (
 )
 
 
+_warned: set[str] = set()  # the deprecation line once per process (options are checked before the run)
+
+
 def make_monolithic_target(request: SystemRequest) -> WorkflowTarget:
     warnings.warn(MONOLITHIC_DEPRECATED, DeprecationWarning, stacklevel=2)
-    print(f"warning: {MONOLITHIC_DEPRECATED}", file=sys.stderr)
+    if "monolithic" not in _warned:
+        _warned.add("monolithic")
+        print(f"warning: {MONOLITHIC_DEPRECATED}", file=sys.stderr)
     return WorkflowTarget(
         "monolithic", request, _monolithic_invoker, _monolithic_memory, _monolithic_settings
     )
