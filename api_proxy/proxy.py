@@ -52,6 +52,7 @@ from . import protocol
 from .calls import Calls
 from .channel import make_server
 from .errors import FunctionCrashed, ProxyError, encode_error
+from .issuer import Issuer
 from .lifecycle import Lifecycle
 from .ops import OPS, CallContext
 from .proxy_config import ProxyConfig
@@ -121,6 +122,11 @@ class ProxyServer:
             ModelPool(device.model_pool),
             model_shapes=cfg.model_shapes,
             post=self.calls.post,
+            issuer=(
+                Issuer(self.calls.post, threads=cfg.issue_threads, slice_kernels=cfg.issue_slice)
+                if cfg.issue_threads
+                else None
+            ),
         )
         self.lifecycle = Lifecycle(self, self.stats)
         t = _now()
