@@ -6,10 +6,11 @@ to one of a few issuer threads and waits for it as an `Offload`: the instance is
 its own later calls keep their order, while the dispatcher goes on serving every other instance.
 
 Under the GIL two threads that both want to run Python do not share it finely (a waiting thread
-gets it after the 5 ms switch interval), so the issue is cooperatively sliced: every `slice_kernels`
-kernels the issuer hands the dispatcher a turn (it posts a wake-up and waits until the dispatcher
-has gone once round its loop) and goes on. A small call of another instance thus waits at most one
-slice, not the whole plan.
+gets it only after the 5 ms switch interval), so the issue is cooperatively sliced: every
+`slice_kernels` kernels the issuer waits for a turn, which the dispatcher grants (`grant`) each time
+it goes round its loop with nothing to do. The dispatcher's own work (every instance's messages,
+completions) thus goes first, and a small call of another instance waits at most about one slice per
+step, not the whole plan.
 
 A ticket can be cancelled (its instance died): the issue stops at the next slice boundary, the
 executor hands back what the run held, and outputs of a run that finished unseen are freed.
@@ -26,10 +27,9 @@ from streambox.device import Stream
 
 from .executor import RunResult
 
-DEFAULT_SLICE_KERNELS = 32
+DEFAULT_SLICE_KERNELS = 8
 DEFAULT_ISSUERS = 2
 
-Post = Callable[[Callable[[], None]], None]
 Free = Callable[[list[int], Stream], None]
 Issue = Callable[[Callable[[int, Any], None]], RunResult]  # the issue, given the per-kernel hook
 
@@ -41,8 +41,8 @@ class IssueCancelled(Exception):
 class IssueTicket:
     """One plan's issue on an issuer thread: paced into slices, cancellable."""
 
-    def __init__(self, post: Post, slice_kernels: int) -> None:
-        self._post = post
+    def __init__(self, waiting: list[threading.Event], wake: Callable[[], None], slice_kernels: int) -> None:
+        self._waiting, self._wake = waiting, wake
         self._slice = slice_kernels
         self._lock = threading.Lock()
         self._turn = threading.Event()
@@ -52,11 +52,12 @@ class IssueTicket:
         self.future: Future[tuple[bool, Any]] = Future()
 
     def on_kernel(self, index: int, kernel: Any) -> None:
-        """The executor's per-kernel hook: a turn for the dispatcher at each slice boundary."""
+        """The executor's per-kernel hook: at each slice boundary, wait for the dispatcher's turn."""
         self._count += 1
         if self._count % self._slice == 0:
             self._turn.clear()
-            self._post(self._turn.set)
+            self._waiting.append(self._turn)  # list.append: atomic under the GIL
+            self._wake()  # a dispatcher asleep on its doorbell comes round and grants it
             self._turn.wait()
         if self._cancelled:
             raise IssueCancelled("the instance was dropped while its plan was being issued")
@@ -91,19 +92,29 @@ class Issuer:
     instance is held while it waits), so each instance's work reaches its stream in program order."""
 
     def __init__(
-        self, post: Post, *, threads: int = DEFAULT_ISSUERS, slice_kernels: int = DEFAULT_SLICE_KERNELS
+        self,
+        wake: Callable[[], None],
+        *,
+        threads: int = DEFAULT_ISSUERS,
+        slice_kernels: int = DEFAULT_SLICE_KERNELS,
     ) -> None:
         if threads < 1 or slice_kernels < 1:
             raise ValueError(f"issuer: threads ({threads}) and slice_kernels ({slice_kernels}) must be >= 1")
-        self._post = post
+        self._wake = wake
         self.slice_kernels = slice_kernels
+        self.waiting: list[threading.Event] = []  # issues at a slice boundary, waiting for a turn
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="streambox-issuer")
 
     def submit(self, issue: Issue, free: Free, stream: Stream) -> IssueTicket:
         """Run `issue(on_kernel)` on an issuer thread; the ticket's future gives `(ok, value)`."""
-        ticket = IssueTicket(self._post, self.slice_kernels)
+        ticket = IssueTicket(self.waiting, self._wake, self.slice_kernels)
         self._pool.submit(ticket.run, issue, free, stream)
         return ticket
+
+    def grant(self) -> None:
+        """On the dispatcher, when it has nothing to do: every waiting issue goes on for one slice."""
+        while self.waiting:
+            self.waiting.pop().set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -123,7 +123,7 @@ class ProxyServer:
             model_shapes=cfg.model_shapes,
             post=self.calls.post,
             issuer=(
-                Issuer(self.calls.post, threads=cfg.issue_threads, slice_kernels=cfg.issue_slice)
+                Issuer(self.transport.wake, threads=cfg.issue_threads, slice_kernels=cfg.issue_slice)
                 if cfg.issue_threads
                 else None
             ),
@@ -214,6 +214,7 @@ class ProxyServer:
         last_busy = _now()
         next_timer = next_control = 0.0
         transport, calls, on_message = self.transport, self.calls, self._on_message
+        issuer = self.resources.issuer
         while not self._stop:
             n = transport.poll(on_message)
             if calls.polls:
@@ -230,6 +231,8 @@ class ProxyServer:
             if n:
                 last_busy = now
                 continue
+            if issuer is not None and issuer.waiting:  # nothing else to do: the issues go on a slice
+                issuer.grant()
             if calls.polls:  # sync-lite: query the events again after a short sleep (the GIL is free)
                 time.sleep(poll_s)
                 continue
