@@ -7,10 +7,10 @@ its own later calls keep their order, while the dispatcher goes on serving every
 
 Under the GIL two threads that both want to run Python do not share it finely (a waiting thread
 gets it only after the 5 ms switch interval), so the issue is cooperatively sliced: every
-`slice_kernels` kernels the issuer waits for a turn, which the dispatcher grants (`grant`) each time
-it goes round its loop with nothing to do. The dispatcher's own work (every instance's messages,
-completions) thus goes first, and a small call of another instance waits at most about one slice per
-step, not the whole plan.
+`slice_kernels` kernels the issuer waits for a turn, which the dispatcher grants (`grant`: one
+issue at a time, oldest first) each time it goes round its loop with nothing to do. The
+dispatcher's own work (every instance's messages, completions) thus goes first, and a small call
+of another instance waits about one slice per step, not the whole plan.
 
 A ticket can be cancelled (its instance died): the issue stops at the next slice boundary, the
 executor hands back what the run held, and outputs of a run that finished unseen are freed.
@@ -112,9 +112,11 @@ class Issuer:
         return ticket
 
     def grant(self) -> None:
-        """On the dispatcher, when it has nothing to do: every waiting issue goes on for one slice."""
-        while self.waiting:
-            self.waiting.pop().set()
+        """On the dispatcher, when it has nothing to do: the longest-waiting issue goes on for one
+        slice (one at a time, so the dispatcher comes round again after each slice, and the
+        instances' plans take turns)."""
+        if self.waiting:
+            self.waiting.pop(0).set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
