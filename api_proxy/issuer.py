@@ -29,6 +29,7 @@ from .executor import RunResult
 
 DEFAULT_SLICE_KERNELS = 8
 DEFAULT_ISSUERS = 2
+TURN_CHECK_S = 0.05  # how often an issue waiting for a turn checks whether the proxy is closing
 
 Free = Callable[[list[int], Stream], None]
 Issue = Callable[[Callable[[int, Any], None]], RunResult]  # the issue, given the per-kernel hook
@@ -41,8 +42,14 @@ class IssueCancelled(Exception):
 class IssueTicket:
     """One plan's issue on an issuer thread: paced into slices, cancellable."""
 
-    def __init__(self, waiting: list[threading.Event], wake: Callable[[], None], slice_kernels: int) -> None:
-        self._waiting, self._wake = waiting, wake
+    def __init__(
+        self,
+        waiting: list[threading.Event],
+        wake: Callable[[], None],
+        closed: threading.Event,
+        slice_kernels: int,
+    ) -> None:
+        self._waiting, self._wake, self._closed = waiting, wake, closed
         self._slice = slice_kernels
         self._lock = threading.Lock()
         self._turn = threading.Event()
@@ -58,7 +65,8 @@ class IssueTicket:
             self._turn.clear()
             self._waiting.append(self._turn)  # list.append: atomic under the GIL
             self._wake()  # a dispatcher asleep on its doorbell comes round and grants it
-            self._turn.wait()
+            while not self._turn.wait(TURN_CHECK_S) and not self._closed.is_set():
+                pass  # a proxy closing grants no more turns
         if self._cancelled:
             raise IssueCancelled("the instance was dropped while its plan was being issued")
 
@@ -103,11 +111,12 @@ class Issuer:
         self._wake = wake
         self.slice_kernels = slice_kernels
         self.waiting: list[threading.Event] = []  # issues at a slice boundary, waiting for a turn
+        self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="streambox-issuer")
 
     def submit(self, issue: Issue, free: Free, stream: Stream) -> IssueTicket:
         """Run `issue(on_kernel)` on an issuer thread; the ticket's future gives `(ok, value)`."""
-        ticket = IssueTicket(self.waiting, self._wake, self.slice_kernels)
+        ticket = IssueTicket(self.waiting, self._wake, self._closed, self.slice_kernels)
         self._pool.submit(ticket.run, issue, free, stream)
         return ticket
 
@@ -119,4 +128,5 @@ class Issuer:
             self.waiting.pop(0).set()
 
     def close(self) -> None:
+        self._closed.set()  # the dispatcher has stopped: issues still running finish without turns
         self._pool.shutdown(wait=True, cancel_futures=True)
