@@ -42,15 +42,9 @@ class IssueCancelled(Exception):
 class IssueTicket:
     """One plan's issue on an issuer thread: paced into slices, cancellable."""
 
-    def __init__(
-        self,
-        waiting: list[threading.Event],
-        wake: Callable[[], None],
-        closed: threading.Event,
-        slice_kernels: int,
-    ) -> None:
-        self._waiting, self._wake, self._closed = waiting, wake, closed
-        self._slice = slice_kernels
+    def __init__(self, issuer: Issuer) -> None:
+        self._waiting, self._wake, self._closed = issuer.waiting, issuer.request_turn, issuer.closed
+        self._slice = issuer.slice_kernels
         self._lock = threading.Lock()
         self._turn = threading.Event()
         self._count = 0
@@ -64,7 +58,7 @@ class IssueTicket:
         if self._count % self._slice == 0:
             self._turn.clear()
             self._waiting.append(self._turn)  # list.append: atomic under the GIL
-            self._wake()  # a dispatcher asleep on its doorbell comes round and grants it
+            self._wake()
             while not self._turn.wait(TURN_CHECK_S) and not self._closed.is_set():
                 pass  # a proxy closing grants no more turns
         if self._cancelled:
@@ -111,22 +105,36 @@ class Issuer:
         self._wake = wake
         self.slice_kernels = slice_kernels
         self.waiting: list[threading.Event] = []  # issues at a slice boundary, waiting for a turn
-        self._closed = threading.Event()
+        self.requested = threading.Event()  # set while one waits: ends the dispatcher's idle pause
+        self.closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="streambox-issuer")
 
     def submit(self, issue: Issue, free: Free, stream: Stream) -> IssueTicket:
         """Run `issue(on_kernel)` on an issuer thread; the ticket's future gives `(ok, value)`."""
-        ticket = IssueTicket(self.waiting, self._wake, self._closed, self.slice_kernels)
+        ticket = IssueTicket(self)
         self._pool.submit(ticket.run, issue, free, stream)
         return ticket
+
+    def request_turn(self) -> None:
+        """From an issuer thread that just joined `waiting`: wake the dispatcher (asleep on its
+        doorbell, or pausing between completion polls: `pause`)."""
+        self.requested.set()
+        self._wake()
+
+    def pause(self, seconds: float) -> None:
+        """The dispatcher's idle pause between completion polls, cut short by a turn's request."""
+        self.requested.wait(seconds)
 
     def grant(self) -> None:
         """On the dispatcher, when it has nothing to do: the longest-waiting issue goes on for one
         slice (one at a time, so the dispatcher comes round again after each slice, and the
         instances' plans take turns)."""
+        self.requested.clear()
         if self.waiting:
             self.waiting.pop(0).set()
+        if self.waiting:
+            self.requested.set()
 
     def close(self) -> None:
-        self._closed.set()  # the dispatcher has stopped: issues still running finish without turns
+        self.closed.set()  # the dispatcher has stopped: issues still running finish without turns
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -236,7 +236,10 @@ class ProxyServer:
             if issuer is not None and issuer.waiting:  # nothing else to do: the issues go on a slice
                 issuer.grant()
             if calls.polls:  # sync-lite: query the events again after a short sleep (the GIL is free)
-                time.sleep(poll_s)
+                if issuer is not None:
+                    issuer.pause(poll_s)  # an issue asking for its next turn ends the pause
+                else:
+                    time.sleep(poll_s)
                 continue
             if now - last_busy < spin_s:
                 os.sched_yield()
