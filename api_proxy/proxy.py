@@ -53,6 +53,7 @@ from .calls import Calls
 from .channel import make_server
 from .control import ControlGuard, ControlRefused
 from .errors import FunctionCrashed, ProxyError, encode_error
+from .issuer import Issuer
 from .lifecycle import Lifecycle
 from .ops import OPS, CallContext
 from .proxy_config import ProxyConfig
@@ -122,6 +123,11 @@ class ProxyServer:
             ModelPool(device.model_pool),
             model_shapes=cfg.model_shapes,
             post=self.calls.post,
+            issuer=(
+                Issuer(self.transport.wake, threads=cfg.issue_threads, slice_kernels=cfg.issue_slice)
+                if cfg.issue_threads
+                else None
+            ),
         )
         self.lifecycle = Lifecycle(self, self.stats)
         t = _now()
@@ -210,6 +216,7 @@ class ProxyServer:
         last_busy = _now()
         next_timer = next_control = 0.0
         transport, calls, on_message = self.transport, self.calls, self._on_message
+        issuer = self.resources.issuer
         while not self._stop:
             n = transport.poll(on_message)
             if calls.polls:
@@ -226,8 +233,13 @@ class ProxyServer:
             if n:
                 last_busy = now
                 continue
+            if issuer is not None and issuer.waiting:  # nothing else to do: the issues go on a slice
+                issuer.grant()
             if calls.polls:  # sync-lite: query the events again after a short sleep (the GIL is free)
-                time.sleep(poll_s)
+                if issuer is not None:
+                    issuer.pause(poll_s)  # an issue asking for its next turn ends the pause
+                else:
+                    time.sleep(poll_s)
                 continue
             if now - last_busy < spin_s:
                 os.sched_yield()

@@ -100,6 +100,10 @@ class ProxyConfig(Mechanisms, Tuning):
     spin_us: float = 200.0  # how long a waiting side spins before it sleeps on its doorbell
     poll_us: float = 200.0  # `poll` completion: the pause between two queries of pending events
     ring_bytes: int = Field(1 << 20, ge=1)
+    # Plans are issued by this many issuer threads, each waiting every `issue_slice` kernels for the
+    # dispatcher to have nothing else to do (api_proxy/issuer.py); 0: issued on the dispatcher.
+    issue_threads: int = Field(2, ge=0)
+    issue_slice: int = Field(8, ge=1)
     model_shapes: Literal["small", "full"] = Field(
         default_factory=env_factory("inputs", "model_shapes", default="small")
     )
