@@ -39,6 +39,7 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
         "retiring_streams": server.lifecycle.retiring,
         "pool_tracked_streams": len(pool.tracked_streams()),
         "buffer_bytes": res.buffers.nbytes,
+        "profiles": server.memory.profile_stats(),  # Algorithm 1's inputs: which functions had them
         "models_resident_bytes": server.memory.models.resident_bytes,
         "models": {"loads": server.memory.models.loads, "evictions": server.memory.models.evictions},
         "io": asdict(server.io.stats),
