@@ -97,7 +97,8 @@ def _infer_run(
                 f"{var.dtype}{list(var.shape)}, got {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
             )
         tensors[name] = t
-    result = res.memory.infer(call.inst.key, plan, tensors, call.inst.stream)
+    cu_cap = res.cu_cap(call.inst.spec)  # the function's GPU share (PTB semantics)
+    result = res.memory.infer(call.inst.key, plan, tensors, call.inst.stream, cu_cap=cu_cap)
     handles = []
     for name in plan.outputs:
         out = result.outputs[name]

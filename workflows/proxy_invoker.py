@@ -44,6 +44,7 @@ def proxy_config_for(spec: WorkflowSpec, config: Config, system: str, **options:
             batch=fn.batch_size,
             max_instances=fn.max_instances,
             timeout_s=(fn.timeout_ms or spec.timeout_ms) / 1e3,
+            gpu_percent=fn.gpu_percent,
         )
         for name, fn in spec.functions.items()
     )
