@@ -182,6 +182,7 @@ class ProxyInvoker:
                 pool_reserved_bytes=pool["reserved_bytes"],
                 pool_used_bytes=pool["allocated_bytes"],
                 instances={fn: v["instances"] for fn, v in s["functions"].items()},
+                unprofiled_runs=s.get("profiles", {}).get("unprofiled_runs", 0),
             )
 
     def last_stats(self) -> dict[str, dict[str, Any]]:
