@@ -149,7 +149,7 @@ class ProxyMemory:
                 headroom_bytes=options.headroom_bytes,
             )
             self.scaler = ResilientScaler(self.pool, self.board, config=config, period_s=self.timing.period_s)
-        for profile in profiles:
+        for profile in profiles if options.profiles else ():  # off: the scaler runs without any
             self.add_profile(profile)
         self._threads: list[PeriodicThread] = [
             PeriodicThread("streambox-pool-sweep", options.sweep_period_s, self._sweep)

@@ -71,16 +71,17 @@ def test_the_scaler_runs_with_profiles_unless_they_are_off(profiles, pool, plan,
         _run(memory, plan, runtime, 3)
         stats = memory.profile_stats()
         assert memory.scaler is not None
+        logged = [r.getMessage() for r in caplog.records if r.name == "streambox.api_proxy.proxy_memory"]
         if profiles:
             assert (MODEL, 1) in memory.scaler.profiles
             assert stats["profiled"] == [f"{MODEL}@1"] and stats["unprofiled"] == {}
             assert (stats["profiled_runs"], stats["unprofiled_runs"]) == (3, 0)
-            assert not caplog.records
+            assert logged == []
         else:
             assert memory.scaler.profiles == {}
             assert stats["unprofiled"] == {f"{MODEL}@1": "profiles are off (memory.profiles=false)"}
             assert (stats["profiled_runs"], stats["unprofiled_runs"]) == (0, 3)
-            assert len(caplog.records) == 1 and "runs unprofiled" in caplog.records[0].getMessage()
+            assert logged == [f"{MODEL} (batch 1) runs unprofiled: profiles are off (memory.profiles=false)"]
 
 
 def test_a_device_without_run_times_runs_unprofiled_and_says_why(pool, plan, runtime):
