@@ -121,6 +121,8 @@ class ShmClient:
     def close(self) -> None:
         self._bell.close()
         self._proxy_bell.close()
+        self._out.ring.release()
+        self._in.ring.release()
         self._out = self._in = None  # type: ignore[assignment]
         self._buf.release()
         self._ctl.release()
@@ -141,7 +143,11 @@ class _ShmPeer:
         self.outbox = Outbox(replies, self.bell)
 
     def close(self) -> None:
+        """Unmap and unlink; never raises for views a poll round up the stack still holds (the
+        rings let go of the mapping first, so the mmap has no exports left)."""
         self.bell.close()
+        self.inbox.ring.release()
+        self.outbox.ring.release()
         self.inbox = self.outbox = None  # type: ignore[assignment]
         self.buf.release()
         self.mm.close()

@@ -3,14 +3,28 @@
 - `launch_proxy(config)`: makes the proxy's owner-only directory, starts the proxy process (from
   that directory, so nothing shadows the installed package) and waits until it answers `ping`.
 - `ProxyClient` (blocking) and `AsyncProxyClient` (asyncio): `invoke`, `end_request`, `stats`,
-  `shutdown`. Messages are msgpack `[call id, op, args]` -> `[call id, ok, value]`.
+  `shutdown`. Messages are msgpack `[call id, op, args, key]` -> `[call id, ok, value]`.
+
+Authentication: every proxy has a 32-byte random control key. The launcher makes it and hands it to
+the proxy process through an inherited pipe (never argv, environment or a file: a function of another
+workflow runs as the same user and could read those); the proxy checks it on every control message
+(`ControlGuard.open`) and refuses others with `IsolationError`. Clients in the launching process find
+the key (and the process, for the liveness check) by the proxy's address in a process-local table,
+so `ProxyClient(address)` just works there and nowhere else.
+
+Liveness: a client waiting on a proxy whose process exits fails at once (a pidfd in the poller, or in
+the asyncio loop) with `ProxyDied`, naming the exit code; every call in flight fails with it and is
+counted (`lost_calls`), and later calls fail immediately.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
+import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -24,46 +38,145 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from .errors import ProxyError, decode_error
+from .errors import IsolationError, ProxyError, decode_error, encode_error
 from .proxy_config import ProxyConfig
 from .shm_ring import private_dir
 
 START_ERROR_FILE = "start_error.txt"
-LIVENESS_S = 0.5  # how often a waiting client checks that its proxy process still runs
-LAUNCH_PROXY = "import sys; from streambox.api_proxy.proxy import main; sys.exit(main())"
+LIVENESS_S = 0.05  # how often a waiting blocking client checks that its proxy process still runs
+LAUNCH_PROXY = (
+    "import sys; from streambox.api_proxy.control import take_key; take_key(); "  # first: a short window
+    "from streambox.api_proxy.proxy import main; sys.exit(main())"
+)
+
+
+KEY_BYTES = 32
+KEY_FD_ENV = "STREAMBOX_CONTROL_KEY_FD"  # the number of the pipe the proxy reads its key from
 
 
 class ProxyStartError(ProxyError):
     """The proxy process exited or did not answer during start-up; the message says why."""
 
 
+class ProxyDied(ProxyError):
+    """The proxy process exited while (or before) a call waited on it; the message gives the code."""
+
+
+class ControlRefused(IsolationError):
+    """A control message without this proxy's key; `call_id` is what the sender used (or 0)."""
+
+    def __init__(self, message: str, call_id: int = 0) -> None:
+        super().__init__(message)
+        self.call_id = call_id
+        self.wire = encode_error(IsolationError(message))  # the caller sees an IsolationError
+
+
 def control_address(directory: Path | str) -> str:
     return f"ipc://{Path(directory) / 'control.sock'}"
+
+
+@dataclass
+class _Known:
+    key: bytes
+    process: subprocess.Popen[bytes] | None  # None: a proxy running inside this process
+
+
+_KNOWN: dict[str, _Known] = {}  # control address -> key (and process) of proxies this process started
+
+
+def _known_key(address: str, key: bytes | None) -> bytes:
+    if key is not None:
+        return key
+    known = _KNOWN.get(address)
+    return known.key if known is not None else b""
+
+
+def _exit_reason(process: subprocess.Popen[bytes]) -> str | None:
+    code = process.poll()
+    return None if code is None else f"the proxy process exited with code {code}"
+
+
+_TAKEN: list[bytes] = []  # the key this process was given (`take_key`), until its guard takes it
+
+
+def take_key() -> None:
+    """(Proxy process, first thing at start) read the control key from the pipe the launcher passed
+    and close it, before anything slow runs: the pipe is readable through /proc while it is open."""
+    fd = os.environ.pop(KEY_FD_ENV, None)
+    if fd is not None:
+        with os.fdopen(int(fd), "rb") as pipe:
+            _TAKEN.append(pipe.read(KEY_BYTES + 1))
+
+
+class ControlGuard:
+    """The proxy's side of authentication: unpack a control message and check its key."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a control key has {KEY_BYTES} bytes, got {len(key)}")
+        self._key = key
+
+    @classmethod
+    def for_proxy(cls, address: str) -> ControlGuard:
+        """The key the launcher piped to this process (`take_key`); a proxy started inside its
+        client's process (tests) makes one and registers it for the clients there."""
+        take_key()  # a no-op when the launch command took it already
+        if _TAKEN:
+            return cls(_TAKEN.pop())
+        key = secrets.token_bytes(KEY_BYTES)
+        _KNOWN[address] = _Known(key, None)
+        return cls(key)
+
+    def open(self, body: bytes) -> tuple[int, str, Any]:
+        """`(call id, op, args)` of an authentic message; raises `ControlRefused` (or a decoding
+        error for bytes that are not a control message at all)."""
+        message = msgpack.unpackb(body, raw=False)
+        if not isinstance(message, list) or len(message) not in (3, 4):
+            raise ValueError("not a control message")
+        call_id = message[0] if isinstance(message[0], int) else 0
+        key = message[3] if len(message) == 4 else b""
+        if not isinstance(key, bytes) or not hmac.compare_digest(key, self._key):
+            raise ControlRefused("control call refused: the caller does not hold this proxy's key", call_id)
+        return call_id, message[1], message[2]
 
 
 class ProxyClient:
     """A blocking client of one proxy's control socket (one thread at a time)."""
 
-    def __init__(self, address: str, alive: Callable[[], str | None] | None = None) -> None:
-        """`alive()`, if given, returns None while the proxy runs, else why it does not."""
+    def __init__(
+        self, address: str, alive: Callable[[], str | None] | None = None, *, key: bytes | None = None
+    ) -> None:
+        """`alive()`, if given, returns None while the proxy runs, else why it does not (by default:
+        the exit of a proxy process this process launched). `key`: the proxy's control key (by
+        default the one of a proxy this process launched)."""
         self.address = address
+        known = _KNOWN.get(address)
+        if alive is None and known is not None and known.process is not None:
+            process = known.process
+            alive = lambda: _exit_reason(process)  # noqa: E731
         self._alive = alive
+        self._key = _known_key(address, key)
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
         self._ids = itertools.count(1)
+        self.lost_calls = 0  # calls that failed because the proxy died
 
     def call(self, op: str, args: Any = None, timeout: float | None = None) -> Any:
         call_id = next(self._ids)
-        self._sock.send(msgpack.packb([call_id, op, args or {}], use_bin_type=True))
+        if self._alive is not None and (gone := self._alive()) is not None:
+            self.lost_calls += 1
+            raise ProxyDied(f"proxy at {self.address}: {gone} (before {op!r})")
+        self._sock.send(msgpack.packb([call_id, op, args or {}, self._key], use_bin_type=True))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = LIVENESS_S if deadline is None else min(LIVENESS_S, max(0.0, deadline - time.monotonic()))
             if not self._sock.poll(int(left * 1000) + 1):
                 gone = self._alive() if self._alive is not None else None
                 if gone is not None:
-                    raise ProxyError(f"proxy at {self.address}: {gone} (while waiting for {op!r})")
+                    self.lost_calls += 1
+                    raise ProxyDied(f"proxy at {self.address}: {gone} (while waiting for {op!r})")
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"proxy at {self.address}: no answer to {op!r} within {timeout} s")
                 continue
@@ -93,10 +206,23 @@ class ProxyClient:
 
 
 class AsyncProxyClient:
-    """An asyncio client of one proxy's control socket; calls may run concurrently (one event loop)."""
+    """An asyncio client of one proxy's control socket; calls may run concurrently (one event loop).
 
-    def __init__(self, address: str) -> None:
+    With a process to watch (by default: the proxy this process launched at `address`), its exit
+    fails every pending call at once with `ProxyDied` (a pidfd read by the loop; a poll every
+    `LIVENESS_S` where pidfds are missing)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        key: bytes | None = None,
+        process: subprocess.Popen[bytes] | None = None,
+    ) -> None:
         self.address = address
+        known = _KNOWN.get(address)
+        self._process = process if process is not None else (known.process if known else None)
+        self._key = _known_key(address, key)
         self._ctx = zmq.asyncio.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -104,6 +230,9 @@ class AsyncProxyClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._watch: Any = None  # (loop, pidfd) or a polling task, set on the first call
+        self._died: str | None = None
+        self.lost_calls = 0  # calls failed because the proxy died
 
     async def _read(self) -> None:
         while True:
@@ -116,13 +245,60 @@ class AsyncProxyClient:
             else:
                 future.set_exception(decode_error(value))
 
+    def _start_watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        process = self._process
+        if process is None or self._watch is not None:
+            return
+        try:
+            pidfd = os.pidfd_open(process.pid)
+        except (AttributeError, OSError):  # no pidfds here (or the process is reaped): poll instead
+            self._watch = loop.create_task(self._poll_exit())
+            return
+        loop.add_reader(pidfd, self._check_exit)
+        self._watch = (loop, pidfd)
+
+    async def _poll_exit(self) -> None:
+        while self._died is None:
+            await asyncio.sleep(LIVENESS_S)
+            self._check_exit()
+
+    def _check_exit(self) -> None:
+        assert self._process is not None
+        reason = _exit_reason(self._process)
+        if reason is None:
+            return
+        self._stop_watch()
+        self._died = reason
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                self.lost_calls += 1
+                future.set_exception(
+                    ProxyDied(f"proxy at {self.address}: {reason} ({len(pending)} calls in flight failed)")
+                )
+
+    def _stop_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if isinstance(watch, tuple):
+            loop, pidfd = watch
+            with contextlib.suppress(Exception):
+                loop.remove_reader(pidfd)
+            os.close(pidfd)
+        elif watch is not None:
+            watch.cancel()
+
     async def call(self, op: str, args: Any = None, timeout: float | None = None) -> Any:
+        loop = asyncio.get_running_loop()
+        self._start_watch(loop)
+        if self._died is not None:
+            self.lost_calls += 1
+            raise ProxyDied(f"proxy at {self.address}: {self._died} (before {op!r})")
         if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+            self._reader = loop.create_task(self._read())
         call_id = next(self._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = loop.create_future()
         self._pending[call_id] = future
-        await self._sock.send(msgpack.packb([call_id, op, args or {}], use_bin_type=True))
+        await self._sock.send(msgpack.packb([call_id, op, args or {}, self._key], use_bin_type=True))
         try:
             return await asyncio.wait_for(future, timeout)
         finally:
@@ -141,6 +317,7 @@ class AsyncProxyClient:
         return await self.call("stats", {}, 30.0)
 
     def close(self) -> None:
+        self._stop_watch()
         if self._reader is not None:
             self._reader.cancel()
         for future in self._pending.values():
@@ -183,6 +360,7 @@ class ProxyProcess:
                     self.process.kill()
                     self.process.wait()
         self.client.close()
+        _KNOWN.pop(self.address, None)
         shutil.rmtree(self.directory, ignore_errors=True)
         return self.process.returncode
 
@@ -194,15 +372,25 @@ def launch_proxy(
     template warm). Its stdout/stderr (and its instances') go to this process's."""
     directory = private_dir(f"sbx-{config.workflow[:16]}-")
     config = config.with_overrides(directory=str(directory))
-    process = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH_PROXY, config.to_json()], cwd=directory, env=env, close_fds=True
-    )
-
-    def alive() -> str | None:
-        code = process.poll()
-        return None if code is None else f"the proxy process exited with code {code}"
-
-    client = ProxyClient(control_address(directory), alive)
+    key = secrets.token_bytes(KEY_BYTES)
+    key_r, key_w = os.pipe()  # the key's only way into the proxy (a pipe buffer holds 32 bytes)
+    os.write(key_w, key)
+    os.close(key_w)
+    child_env = dict(os.environ if env is None else env)
+    child_env[KEY_FD_ENV] = str(key_r)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", LAUNCH_PROXY, config.to_json()],
+            cwd=directory,
+            env=child_env,
+            close_fds=True,
+            pass_fds=(key_r,),
+        )
+    finally:
+        os.close(key_r)
+    address = control_address(directory)
+    _KNOWN[address] = _Known(key, process)
+    client = ProxyClient(address, key=key)
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -216,11 +404,12 @@ def launch_proxy(
                 raise ProxyStartError(
                     f"the proxy of workflow {config.workflow!r} did not start in {timeout} s"
                 )
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, ProxyDied):  # an exit is reported above
                 info = client.call("ping", {}, 0.2)
                 return ProxyProcess(config, directory, process, client, info)
     except BaseException:
         client.close()
+        _KNOWN.pop(address, None)
         if process.poll() is None:
             process.kill()
             process.wait()

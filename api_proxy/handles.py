@@ -90,8 +90,10 @@ def qualify_key(workflow: str, key: str) -> str:
     return key if "/" in key else f"{workflow}/{key}"
 
 
-def check_key(workflow: str, key: Any) -> str:
-    """`key` if it belongs to `workflow`, else `IsolationError` saying whose it is."""
+def check_key(workflow: str, key: Any, request_id: str | None = None) -> str:
+    """`key` if `workflow`'s invocation of `request_id` may use it, else `IsolationError` saying whose
+    it is. Keys are `<workflow>/<name>` (workflow-wide) or `<workflow>/<request id>/<name>`
+    (request-scoped: only that request's invocations may use them)."""
     if not isinstance(key, str) or not key:
         raise TypeError(f"a key must be a non-empty string, got {key!r}")
     if not key.startswith(f"{workflow}/"):
@@ -99,6 +101,13 @@ def check_key(workflow: str, key: Any) -> str:
         raise IsolationError(
             f"key {key!r} belongs to workflow {owner!r}; the proxy of workflow {workflow!r} only "
             f"serves keys starting with {workflow + '/'!r}"
+        )
+    scope = key[len(workflow) + 1 :].split("/", 1)
+    if request_id is not None and len(scope) == 2 and scope[0] != request_id:
+        raise IsolationError(
+            f"key {key!r} is scoped to request {scope[0]!r}; an invocation of request {request_id!r} "
+            f"may use its own keys ({request_prefix(workflow, request_id)!r}...) and workflow-wide ones "
+            f"({workflow + '/'!r}<name> without a further '/')"
         )
     return key
 

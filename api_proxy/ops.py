@@ -113,7 +113,7 @@ def _infer_run(
 
 
 def op_put(res: Resources, call: CallContext, key: Any, handle: Any, consumers: Any, ttl: Any) -> None:
-    key = check_key(res.workflow, key)
+    key = check_key(res.workflow, key, call.inv.request_id)
     if call.ended(key):
         raise ProxyError(f"PUT {key!r}: its request has ended and its keys were dropped")
     t = res.tensor(call.inv, handle)
@@ -127,7 +127,7 @@ def op_put(res: Resources, call: CallContext, key: Any, handle: Any, consumers: 
 
 
 def op_get(res: Resources, call: CallContext, key: Any, timeout: Any) -> Op:
-    key = check_key(res.workflow, key)
+    key = check_key(res.workflow, key, call.inv.request_id)
     timeout = float(timeout if timeout is not None else DEFAULT_GET_TIMEOUT_S)
     deadline = time.perf_counter() + timeout
     while True:  # a PUT wakes every GET of its key; one may have consumed it before this one
@@ -139,7 +139,7 @@ def op_get(res: Resources, call: CallContext, key: Any, timeout: Any) -> Op:
 
 
 def op_delete(res: Resources, call: CallContext, key: Any) -> bool:
-    return res.store.delete(check_key(res.workflow, key))
+    return res.store.delete(check_key(res.workflow, key, call.inv.request_id))
 
 
 def op_alloc(res: Resources, call: CallContext, dtype: Any, shape: Any) -> Handle:

@@ -52,6 +52,7 @@ from streambox.memory_pool.idle import PoolIdleMemory
 from . import protocol
 from .calls import Calls
 from .channel import make_server
+from .control import ControlGuard, ControlRefused
 from .errors import FunctionCrashed, ProxyError, encode_error
 from .lifecycle import Lifecycle
 from .ops import OPS, CallContext
@@ -187,6 +188,7 @@ class ProxyServer:
         path = self.dir / "control.sock"
         self.control.bind(f"ipc://{path}")
         os.chmod(path, 0o600)
+        self._guard = ControlGuard.for_proxy(f"ipc://{path}")  # every control message carries its key
 
     def close(self) -> None:
         self.lifecycle.stop_all()
@@ -308,7 +310,10 @@ class ProxyServer:
                 return n
             n += 1
             try:
-                call_id, op, args = msgpack.unpackb(body, raw=False)
+                call_id, op, args = self._guard.open(body)
+            except ControlRefused as refused:  # no key: told so, never served
+                self.control_reply(route, refused.call_id, False, refused.wire)
+                continue
             except Exception:  # noqa: BLE001 - not one of ours: ignore
                 continue
             try:

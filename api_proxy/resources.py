@@ -26,7 +26,6 @@ from streambox.device import Event, Runtime, Stream
 from streambox.io_daemon import CopyRequest, IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.plan import KernelPlan
-from streambox.kernel_compiler.zoo import get_entry
 
 from .buffers import BufferTable
 from .device_tensor import DeviceTensor
@@ -108,7 +107,7 @@ class Resources:
         shape), its weights resident. A plan the model pool lacks is lowered here, once (blocking:
         for start-up; at serve time `plan_for` reads or lowers plans on a helper thread)."""
         if shape is None:
-            entry = get_entry(model)  # UnknownModelError names the zoo's models
+            entry = self.model_pool.entry(model)  # zoo or registered; UnknownModelError names both
             small = entry.small_input_shape if self.model_shapes == "small" else None
             shape = tuple(small or entry.input_shape)
         key = (model, batch, tuple(shape))
@@ -230,6 +229,11 @@ class Resources:
             raise UnknownHandle(
                 f"handle {h.address:#x} names no live buffer of workflow {self.workflow!r} "
                 f"(freed, or never allocated here)"
+            )
+        if inv.holder not in buf.holders:  # another invocation's buffer: only its holders may name it
+            raise IsolationError(
+                f"handle {h.address:#x} names a buffer this invocation neither made nor was handed "
+                f"(request {inv.request_id!r}); pass data between invocations by key (put/get)"
             )
         itemsize = DTYPES[h.dtype]
         extent = sum((d - 1) * s for d, s in zip(h.shape, h.strides, strict=True))

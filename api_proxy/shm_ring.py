@@ -119,6 +119,13 @@ class Ring:
     def nbytes(capacity: int) -> int:
         return Ring.OVERHEAD + capacity
 
+    def release(self) -> None:
+        """Let go of the mapping (its mmap can close); any later use raises ValueError. Safe to call
+        while a caller up the stack still holds this ring (a peer removed in the middle of a poll)."""
+        self._words.release()
+        self._buf = self._words = memoryview(b"")  # released views of nothing: reads fail, not crash
+        self._words.release()
+
     def readable(self) -> bool:
         """(Consumer) a record is waiting."""
         if self._head_seen != self._tail:
@@ -258,6 +265,7 @@ class Doorbell:
         self._flags.release()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+        self.fd = -1
 
 
 class Outbox:

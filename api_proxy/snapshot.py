@@ -34,7 +34,11 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
             "used_bytes": total - free,
             "total_bytes": total,
         },
-        "pool": {"reserved_bytes": pool.reserved_bytes, "allocated_bytes": pool.allocated_bytes},
+        "pool": {
+            "reserved_bytes": pool.reserved_bytes,
+            "allocated_bytes": pool.allocated_bytes,
+            "trims": pool.counters.trims,  # times the pool gave memory back to the device
+        },
         "keys": len(server.store.keys()),
         "buffers": len(res.buffers),
         # Streams of dropped instances not destroyed yet, and streams the pool holds frees for.

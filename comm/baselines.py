@@ -13,12 +13,17 @@
   (`getCachedCUDAIpcDevptr`), UCX (openucx/ucx #2738, #4599) and MVAPICH2 all cache opened handles
   because opening one per transfer is expensive; we found no public per-call figure to cite, so
   `open_s` (150 us) and `close_s` (50 us) are assumptions to be replaced by a measurement on a GPU.
-- `RedisServer`: starts `redis-server` on a free port in a temporary directory (no persistence) and
-  stops it; `RedisUnavailable` says why it cannot (the binary or the `redis` package is missing).
+- `RedisServer`: starts `redis-server` on a free loopback port in a private (0700) temporary
+  directory (no persistence) and stops it; `RedisUnavailable` says why it cannot (the binary or the
+  `redis` package is missing). Safe by default: protected mode on, and a generated password that
+  lives only in a 0600 config file and a 0600 password file of that directory (never on a command
+  line); `client()` and `connection()` carry it.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -53,6 +58,8 @@ class RedisServer:
         self.executable = executable or shutil.which("redis-server")
         self.start_timeout_s = start_timeout_s
         self.port = 0
+        self.password = ""
+        self.password_file: Path | None = None  # 0600, for processes that must connect too
         self._dir: Path | None = None
         self._proc: subprocess.Popen | None = None
 
@@ -73,13 +80,18 @@ class RedisServer:
             raise RedisUnavailable(why or "redis-server is not on PATH")
         import redis
 
-        self._dir = Path(tempfile.mkdtemp(prefix="streambox-redis-"))
+        self._dir = Path(tempfile.mkdtemp(prefix="streambox-redis-"))  # 0700
         self.port = _free_port()
+        self.password = secrets.token_urlsafe(32)
+        self.password_file = _private_file(self._dir / "password", self.password)
+        conf = _private_file(
+            self._dir / "redis.conf",
+            f"port {self.port}\nbind 127.0.0.1\nprotected-mode yes\nrequirepass {self.password}\n"
+            f'dir {self._dir}\nsave ""\nappendonly no\n',
+        )
         try:
             self._proc = subprocess.Popen(
-                [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self._dir),
-                 "--save", "", "--appendonly", "no", "--protected-mode", "no"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                [self.executable, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
             )
         except OSError as exc:
             self.stop()
@@ -91,7 +103,7 @@ class RedisServer:
                 self.stop()
                 raise RedisUnavailable(f"redis-server exited at start: {err.strip()[:500]}")
             try:
-                if redis.Redis(port=self.port, socket_connect_timeout=0.2).ping():
+                if redis.Redis(**self.connection(), socket_connect_timeout=0.2).ping():
                     return self
             except redis.exceptions.ConnectionError:
                 pass
@@ -101,10 +113,14 @@ class RedisServer:
                                        f"{self.start_timeout_s:g} s")
             time.sleep(0.02)
 
+    def connection(self) -> dict[str, Any]:
+        """Keyword arguments of `redis.Redis` (and `redis.asyncio.Redis`) for this server."""
+        return {"host": "127.0.0.1", "port": self.port, "password": self.password}
+
     def client(self) -> Any:
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port)
+        return redis.Redis(**self.connection())
 
     def stop(self) -> None:
         if self._proc is not None:
@@ -127,6 +143,14 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _private_file(path: Path, text: str) -> Path:
+    """A new file only its owner can read (0600) holding `text`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from .quota import StoreQuota
+
 MiB = 1 << 20
 
 #: Predicted idle memory of a GPU: (gpu index, now, window seconds) -> bytes that the running
@@ -30,6 +32,7 @@ class StoreConfig:
       deleted). A TTL bounds what a consumer that dies before its GET can leak.
     - `lease_ttl_s`: a GET's handle is force-released after this long (a reader that dies while
       holding one cannot pin the bytes forever; the proxy also calls `release_owner` on death).
+    - `quota`: the store's bounds (bytes, keys, TTL ceiling, host tier; `quota.py`).
     - `rpc_chunk_bytes`, `rpc_pipeline`: cross-node transfers stream in chunks of this size with at
       most `rpc_pipeline` chunks in flight, so memory per transfer is bounded by their product.
     """
@@ -47,6 +50,7 @@ class StoreConfig:
     rpc_chunk_bytes: int = 4 * MiB
     rpc_pipeline: int = 2
     rpc_timeout_s: float = 10.0
+    quota: StoreQuota = StoreQuota()
 
     def __post_init__(self) -> None:
         if not 0 <= self.capacity_fraction <= 1:

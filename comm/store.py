@@ -37,7 +37,7 @@ import torch
 
 from streambox.device import Event, HostBuffer, OutOfDeviceMemory, Runtime, Stream
 
-from . import policy
+from . import policy, quota
 from .config import IdlePredictor, StoreConfig
 from .errors import CommError, GetTimeout, KeyExists, StoreClosed
 from .handle import Allocator, DeviceTensorLike, Handle, StoreStats, Transport, span_bytes
@@ -394,8 +394,7 @@ class CommStore:
             raise ValueError(f"keys are non-empty strings, got {key!r}")
         if consumers is not None and (not isinstance(consumers, int) or consumers < 1):
             raise ValueError(f"PUT {key!r}: consumers must be a positive int or None, got {consumers!r}")
-        if ttl is not None and not ttl > 0:
-            raise ValueError(f"PUT {key!r}: ttl must be > 0 seconds or None, got {ttl!r}")
+        quota.check_ttl(self.config.quota, key, ttl)
         gpu = self._default_device(device)
         with self._cond:
             if key in self._items and not overwrite:
@@ -410,12 +409,18 @@ class CommStore:
         item.expires_at = None if ttl is None or math.isinf(ttl) else now + ttl
         with self._cond:
             old = self._items.get(key)
-            if old is not None and not overwrite:  # a concurrent PUT of the same key won the race
+            try:
+                if old is not None and not overwrite:  # a concurrent PUT of the same key won the race
+                    raise KeyExists(key)
+                held = sum(self._used.values()) + self._host_used - (old.nbytes if old is not None else 0)
+                usage = quota.Usage(held, len(self._items) + (old is None), self._host_used)
+                quota.check_put(self.config.quota, key, item.nbytes, usage)  # this PUT's bytes counted
+            except CommError:
                 if isinstance(value, torch.Tensor):
                     self._retire(item.buffer)
                 else:
                     self._account(gpu, -item.nbytes)  # the adopted bytes stay the producer's
-                raise KeyExists(key)
+                raise
             if old is not None:
                 self._remove(old, "overwritten")
             self._items[key] = item
@@ -459,12 +464,16 @@ class CommStore:
         source = _Buffer(HOST, 0, flat, n, stored=False)
         with self._cond:
             dst, _ = policy.place(n, gpu, self._gpu_states(self.capacities()), self.config.adaptive_movement)
+            if dst == HOST and not quota.host_allows(self.config.quota, self._host_used, n):
+                raise quota.host_full(self.config.quota, key, self._host_used, n)
             self._account(dst, n)  # reserve before the copy, so concurrent PUTs see it
         try:
             buf = self._copy(source, dst, None, stored=True)
         except OutOfDeviceMemory:
             with self._cond:
                 self._account(dst, -n)
+                if not quota.host_allows(self.config.quota, self._host_used, n):
+                    raise quota.host_full(self.config.quota, key, self._host_used, n) from None
                 self._account(HOST, n)
             dst = HOST
             buf = self._copy(source, HOST, None, stored=True)
@@ -781,6 +790,8 @@ class CommStore:
             item = self._items.get(move.key)
             if item is None or item.moving or item.buffer.device != move.src or item.buffer.leases:
                 return None
+            if move.dst == HOST and not quota.host_allows(self.config.quota, self._host_used, item.nbytes):
+                return None  # the host tier is full: the data stays where it is
             item.moving = True
             src, ready = item.buffer, item.ready
             src.leases += 1
@@ -790,7 +801,7 @@ class CommStore:
             try:
                 new = self._copy(src, dst, ready, stored=True)
             except OutOfDeviceMemory:
-                if dst == HOST:
+                if dst == HOST or not quota.host_allows(self.config.quota, self._host_used, item.nbytes):
                     raise
                 with self._cond:
                     self._account(dst, -item.nbytes)

@@ -15,6 +15,10 @@ device under a state directory, mmap'ed and guarded by `fcntl.flock` (between pr
   contexts time-slice with them (or, under MPS, run beside them); see `gpu_schedule.py`.
 
 Times are `time.perf_counter()` seconds: CLOCK_MONOTONIC, the same in every process of the machine.
+
+The state directory is checked before use (`ensure_state_dir`): a real directory (not a link), owned
+by this user, mode 0700 (tightened if it is ours and looser); ledger files are opened without
+following links. Another user cannot plant a directory or link at the predictable default path.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import fcntl
 import hashlib
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -58,6 +63,31 @@ def default_state_dir() -> Path:
     if xdg := os.environ.get("XDG_RUNTIME_DIR"):
         return Path(xdg) / "streambox"
     return Path(f"/tmp/streambox-{os.getuid()}")
+
+
+def ensure_state_dir(path: Path) -> Path:
+    """Create `path` (0700) or check it: a directory, not a link, owned by this user; a directory of
+    ours that others may read or write is tightened to 0700. Raises `DeviceError` naming the problem."""
+    path = Path(path)
+    with contextlib.suppress(FileExistsError):
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o700)
+    info = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory"
+    elif info.st_uid != os.getuid():
+        problem = f"is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+    if problem is not None:
+        raise DeviceError(
+            f"the emulated devices' state directory {path} {problem}; remove it or point "
+            "STREAMBOX_STATE_DIR at a directory of your own"
+        )
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
 
 
 def ledger_path(state_dir: Path, index: int, name: str, total_memory: int) -> Path:
@@ -126,8 +156,12 @@ class Ledger:
         self._depth = 0  # nesting of _locked in the thread holding _lock
         self._owned: dict[int, int] = {}  # slot -> runtime id, slots this process holds
         self._last_busy: dict[int, int] = {}  # slot -> index of its latest busy record (a hint)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        ensure_state_dir(path.parent)
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            why = f"{exc.strerror} (links are not followed)"
+            raise DeviceError(f"cannot open the ledger {path}: {why}") from None
         size = _HEADER.size + slots * _SLOT.size + BUSY_RECORDS * _BUSY.size + 2 * _FLOW_REGION
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
@@ -151,7 +185,9 @@ class Ledger:
 
     @classmethod
     def open(cls, path: Path, total_memory: int) -> Ledger:
-        path = Path(path).resolve()
+        path = Path(path)
+        ensure_state_dir(path.parent)  # before resolving: a planted link must not be followed
+        path = path.parent.resolve() / path.name  # the file itself is opened with O_NOFOLLOW
         with cls._instances_lock:
             ledger = cls._instances.get(path)
             if ledger is None:

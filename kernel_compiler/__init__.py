@@ -3,7 +3,9 @@ the profiler's memory analysis.
 
 Modules: ``zoo`` (models), ``lowering`` (torch.export -> plan), ``plan`` (records, save/load),
 ``argcodec`` (JSON arguments), ``ops`` (run one kernel), ``model_pool`` (plans on disk),
-``memory_profile`` (lazy/eager live bytes per kernel).
+``memory_profile`` (lazy/eager live bytes per kernel), ``registry`` (user models registered in the pool
+by name and version: docs/models.md), ``model_import`` (a user's model into a checked plan),
+``reference`` (the simplest plan executor, to check plans).
 """
 
 from .lowering import LoweringError, lower_model, lower_module

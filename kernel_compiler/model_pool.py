@@ -1,5 +1,8 @@
 """The model pool: lowered plans on disk, keyed by model, batch and input shape.
 
+Models are the zoo's and those registered here (``registry``: ``root/<name>@<version>/``, ``name``
+alone meaning the latest version); ``entry`` resolves either kind.
+
 Layout: ``root/<model>/b<batch>_<d0>x<d1>x.../`` holding ``plan.json``, ``weights.safetensors`` and
 ``memory_profile.json``. A plan directory is written under a temporary name beside its final place and
 renamed into place in one step, so a reader (another process included) sees either no plan or a whole
@@ -17,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import registry
 from .lowering import lower_model
 from .memory_profile import MemoryProfile, profile_plan
 from .plan import PLAN_FILE, KernelPlan
-from .zoo import get_entry
+from .zoo import ZOO, ModelEntry, UnknownModelError
 
 PROFILE_FILE = "memory_profile.json"
 ENV_ROOT = "STREAMBOX_MODEL_POOL"
@@ -31,6 +35,16 @@ LowerFn = Callable[[str, int, tuple[int, ...]], KernelPlan]
 def default_root() -> Path:
     env = os.environ.get(ENV_ROOT)
     return Path(env) if env else Path.home() / ".cache" / "streambox" / "model_pool"
+
+
+def unknown_model(model: str, root: Path | None = None) -> str | None:
+    """Why ``model`` names no model of the zoo or of the pool at ``root`` (default: the configured
+    one), naming those that exist; None when it names one."""
+    try:
+        ModelPool(root).entry(model)
+    except UnknownModelError as error:
+        return str(error)
+    return None
 
 
 @dataclass(frozen=True)
@@ -52,19 +66,31 @@ class ModelPool:
         self.root = Path(root) if root is not None else default_root()
         self._lower = lower_fn
 
+    def entry(self, model: str) -> ModelEntry:
+        """The zoo entry of ``model``, or a registered model (``name`` or ``name@version``) as one."""
+        if model in ZOO:
+            return ZOO[model]
+        record = registry.find(self.root, model)
+        if record is None:
+            known = list(ZOO) + [r.ref for r in registry.registered(self.root)]
+            raise UnknownModelError(model, known)
+        return registry.as_entry(self.root, record)
+
     def path_for(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> Path:
-        shape = self._shape(model, input_shape)
-        return self.root / model / f"b{batch}_{_shape_key(shape)}"
+        entry = self.entry(model)
+        shape = tuple(input_shape) if input_shape is not None else entry.input_shape
+        return self.root / entry.name / f"b{batch}_{_shape_key(shape)}"
 
     def get(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> KernelPlan | None:
         path = self.path_for(model, batch, input_shape)
         return KernelPlan.load(path) if (path / PLAN_FILE).exists() else None
 
     def get_or_lower(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> KernelPlan:
-        shape = self._shape(model, input_shape)
+        entry = self.entry(model)
+        shape = tuple(input_shape) if input_shape is not None else entry.input_shape
         final = self.path_for(model, batch, shape)
         if not (final / PLAN_FILE).exists():
-            plan = self._lower(model, batch, shape)
+            plan = self._lower_entry(entry, batch, shape)
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
             try:
@@ -104,7 +130,7 @@ class ModelPool:
         entries: list[PoolEntry] = []
         if not self.root.is_dir():
             return entries
-        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
             for d in model_dir.iterdir():
                 if d.name.startswith(".") or not (d / PLAN_FILE).exists():
                     continue
@@ -114,6 +140,9 @@ class ModelPool:
                 )
         return sorted(entries, key=lambda e: (e.model, e.batch, e.input_shape))
 
-    @staticmethod
-    def _shape(model: str, input_shape: tuple[int, ...] | None) -> tuple[int, ...]:
-        return tuple(input_shape) if input_shape is not None else get_entry(model).input_shape
+    def _lower_entry(self, entry: ModelEntry, batch: int, shape: tuple[int, ...]) -> KernelPlan:
+        if entry.source != "registered":
+            return self._lower(entry.name, batch, shape)
+        record = registry.find(self.root, entry.name)
+        assert record is not None  # entry() just found it
+        return registry.lower_registered(self.root, record, batch, shape)

@@ -143,6 +143,8 @@ def build_workload(config: ReplayConfig) -> Workload:
         minute_seconds=config.minute_seconds,
         spacing=config.spacing,
         seed=config.seed,
+        max_requests=config.max_requests,  # generated lazily: memory follows the bounds
+        max_duration_s=config.max_duration_s,
     )
     if not arrivals:
         raise ValueError(

@@ -27,9 +27,11 @@ all statistics are over the function's per-minute counts x_1..x_n:
 
 from __future__ import annotations
 
+import heapq
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +41,7 @@ PATTERNS = ("sporadic", "periodic", "bursty")
 SELECTIONS = ("volume", "random", "stratified")
 MAPPINGS = ("round-robin", "stripe", "explicit")
 SPACINGS = ("poisson", "even", "trace")
+MAX_ARRIVALS_PER_MINUTE = 1_000_000  # per function and trace minute, after scaling
 
 
 # -- classification ------------------------------------------------------------------------------------
@@ -362,7 +365,44 @@ class Arrival:
     minute: int  # the trace minute it stands for
 
 
-def build_arrivals(
+def _function_times(
+    item: Chosen,
+    *,
+    start_minute: int,
+    minutes: int | None,
+    rate_scale: float,
+    minute_seconds: float,
+    spacing: str,
+    seed: int,
+) -> Iterator[np.ndarray]:
+    """One function's arrival times, a trace minute (or, for "trace", the window) at a time; the
+    random draws are those of one `minute_arrivals` call over the whole window."""
+    if spacing == "trace":
+        if item.series.arrivals_s is None:
+            raise ValueError(
+                f"spacing 'trace' needs per-invocation timestamps (a 2021 log); {item.key} has none"
+            )
+        begin = start_minute * 60.0
+        end = float("inf") if minutes is None else (start_minute + minutes) * 60.0
+        raw = item.series.arrivals_s
+        raw = thin_timestamps(raw[(raw >= begin) & (raw < end)], rate_scale)
+        yield (raw - begin) * minute_seconds / 60.0
+        return
+    scaled = scale_counts(_window(item.series.counts, start_minute, minutes), rate_scale)
+    busiest = int(scaled.max(initial=0))
+    if busiest > MAX_ARRIVALS_PER_MINUTE:
+        raise ValueError(
+            f"{item.key}: scaling by {rate_scale:g} gives {busiest} arrivals in one trace minute; at most "
+            f"{MAX_ARRIVALS_PER_MINUTE} are replayed per function and minute (lower --scale)"
+        )
+    rng = stable_seed(seed, str(item.key))
+    for minute in np.flatnonzero(scaled):
+        one = np.zeros(1, dtype=np.int64)
+        one[0] = scaled[minute]
+        yield minute * minute_seconds + minute_arrivals(one, minute_seconds, spacing, rng)
+
+
+def iter_arrivals(
     chosen: Sequence[Chosen],
     mapping: Mapping[FunctionKey, str],
     *,
@@ -372,8 +412,9 @@ def build_arrivals(
     minute_seconds: float = 60.0,
     spacing: str = "poisson",
     seed: int = 0,
-) -> list[Arrival]:
-    """Every function's arrivals in the window, merged in time order.
+) -> Iterator[Arrival]:
+    """Every function's arrivals in the window, merged in time order, generated lazily: memory holds
+    one trace minute per function, whatever the trace's counts.
 
     A trace minute lasts `minute_seconds` of replay (60 = real time; 600/1440 puts a day into ten
     minutes, and rate_scale=1/144 then keeps the trace's per-second rate). spacing "trace" uses the 2021
@@ -383,24 +424,43 @@ def build_arrivals(
         raise ValueError(f"unknown spacing {spacing!r}; choose one of: {', '.join(SPACINGS)}")
     if minute_seconds <= 0:
         raise ValueError(f"minute_seconds must be > 0, got {minute_seconds}")
-    merged: list[tuple[float, int, Arrival]] = []
-    for order, item in enumerate(sorted(chosen, key=lambda c: c.key)):
-        if spacing == "trace":
-            if item.series.arrivals_s is None:
-                raise ValueError(
-                    f"spacing 'trace' needs per-invocation timestamps (a 2021 log); {item.key} has none"
-                )
-            begin = start_minute * 60.0
-            end = float("inf") if minutes is None else (start_minute + minutes) * 60.0
-            raw = item.series.arrivals_s
-            raw = thin_timestamps(raw[(raw >= begin) & (raw < end)], rate_scale)
-            times = (raw - begin) * minute_seconds / 60.0
-        else:
-            scaled = scale_counts(_window(item.series.counts, start_minute, minutes), rate_scale)
-            times = minute_arrivals(scaled, minute_seconds, spacing, stable_seed(seed, str(item.key)))
+    options = dict(
+        start_minute=start_minute,
+        minutes=minutes,
+        rate_scale=rate_scale,
+        minute_seconds=minute_seconds,
+        spacing=spacing,
+        seed=seed,
+    )
+
+    def stream(order: int, item: Chosen) -> Iterator[tuple[float, int, Arrival]]:
         workflow = mapping[item.key]
-        for t in times:
-            minute = start_minute + int(t // minute_seconds)
-            merged.append((float(t), order, Arrival(float(t), workflow, item.key, minute)))
-    merged.sort(key=lambda entry: (entry[0], entry[1]))
-    return [arrival for _, _, arrival in merged]
+        for times in _function_times(item, **options):  # type: ignore[arg-type]
+            for t in times.tolist():
+                minute = start_minute + int(t // minute_seconds)
+                yield t, order, Arrival(t, workflow, item.key, minute)
+
+    streams = [stream(order, item) for order, item in enumerate(sorted(chosen, key=lambda c: c.key))]
+    for _, _, arrival in heapq.merge(*streams, key=lambda entry: (entry[0], entry[1])):
+        yield arrival
+
+
+def build_arrivals(
+    chosen: Sequence[Chosen],
+    mapping: Mapping[FunctionKey, str],
+    *,
+    max_requests: int | None = None,
+    max_duration_s: float | None = None,
+    **options: Any,
+) -> list[Arrival]:
+    """`iter_arrivals` as a list, cut at the bounds: at most `max_requests` + 1 arrivals, none after
+    the first one at or past `max_duration_s` (the one past a bound stays, so that the driver can
+    say which bound stopped the run). Memory follows the bounds, not the trace."""
+    out: list[Arrival] = []
+    for arrival in iter_arrivals(chosen, mapping, **options):
+        out.append(arrival)
+        if max_requests is not None and len(out) > max_requests:
+            break
+        if max_duration_s is not None and arrival.time_s >= max_duration_s:
+            break
+    return out

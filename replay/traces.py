@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ MEMORY_COLUMNS = ("SampleCount", "AverageAllocatedMb") + tuple(
 LOG_2021_COLUMNS = ("app", "func", "end_timestamp", "duration")
 
 _MINUTE = re.compile(r"^(minute_)?(\d+)$")
+#: Range checks: no function of the Azure traces comes near these; beyond them a file is a mistake
+#: (or an attack on the replayer's memory), reported with its file and line.
+MAX_MINUTE_COUNT = 10_000_000  # invocations of one function in one minute
+MAX_LOG_SECONDS = 31 * 24 * 3600.0  # timestamps and durations of the 2021 log
 
 #: What each kind of file must look like, for error messages.
 EXPECTED_LAYOUTS = {
@@ -236,14 +241,7 @@ def read_invocations(path: str | Path) -> tuple[list[FunctionSeries], str]:
                     f"{path}, line {number}: {len(cells)} cells where the header has {width} columns"
                 )
             values = dict(zip(ids, cells, strict=False))
-            try:
-                counts = np.array(cells[len(ids):], dtype=np.int64)
-            except ValueError as error:
-                raise TraceFormatError(
-                    f"{path}, line {number}: a minute count is not an integer ({error})"
-                ) from None
-            if (counts < 0).any():
-                raise TraceFormatError(f"{path}, line {number}: negative invocation count")
+            counts = _minute_counts(path, number, cells[len(ids):], header[len(ids):])
             trigger = values.get("Trigger")
             series.append(
                 FunctionSeries(
@@ -255,6 +253,23 @@ def read_invocations(path: str | Path) -> tuple[list[FunctionSeries], str]:
                 )
             )
     return series, layout
+
+
+def _minute_counts(path: Path, number: int, cells: Sequence[str], columns: Sequence[str]) -> np.ndarray:
+    """The minute counts of one line, each an integer in [0, MAX_MINUTE_COUNT]."""
+    counts = np.empty(len(cells), dtype=np.int64)
+    for i, cell in enumerate(cells):
+        text = cell.strip()
+        if not text.isdigit():
+            what = "negative invocation count" if text[1:].isdigit() else "a minute count is not an integer"
+            raise TraceFormatError(f"{path}, line {number}: {what} (column {columns[i]}: {cell!r})")
+        if len(text) > 8 or int(text) > MAX_MINUTE_COUNT:
+            raise TraceFormatError(
+                f"{path}, line {number}: minute count {text} (column {columns[i]}) is above the "
+                f"{MAX_MINUTE_COUNT} invocations per minute a trace may hold"
+            )
+        counts[i] = int(text)
+    return counts
 
 
 # -- 2019: durations and memory ------------------------------------------------------------------------
@@ -276,11 +291,14 @@ def _rows(path: Path) -> Iterator[tuple[int, dict[str, str]]]:
 
 def _number(path: Path, number: int, row: dict[str, str], column: str) -> float:
     try:
-        return float(row[column])
+        value = float(row[column])
     except (TypeError, ValueError):
         raise TraceFormatError(
             f"{path}, line {number}: column {column} is {row.get(column)!r}, not a number"
         ) from None
+    if not math.isfinite(value):
+        raise TraceFormatError(f"{path}, line {number}: column {column} is {row[column]!r}, not finite")
+    return value
 
 
 def read_durations(path: str | Path) -> dict[tuple[str, str], DurationStats]:
@@ -332,6 +350,12 @@ def read_log_2021(path: str | Path) -> tuple[list[FunctionSeries], dict[tuple[st
         duration = _number(path, number, row, "duration")
         if duration < 0:
             raise TraceFormatError(f"{path}, line {number}: negative duration {duration}")
+        for column, value in (("end_timestamp", end), ("duration", duration)):
+            if abs(value) > MAX_LOG_SECONDS:
+                raise TraceFormatError(
+                    f"{path}, line {number}: column {column} is {value:g} s; a 2021 log spans at most "
+                    f"{MAX_LOG_SECONDS:g} s (31 days)"
+                )
         per_function.setdefault((row["app"], row["func"]), []).append((max(end - duration, 0.0), duration))
     if not per_function:
         return [], {}

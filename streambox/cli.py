@@ -114,6 +114,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             invoker_factory=factory,
             on_ready=lambda url: print(f"serving on {url} (Ctrl-C stops)", flush=True),
             small=inputs == "small",
+            allow_remote=args.allow_remote,
+            token=Path(args.token_file).read_text().strip() if args.token_file else None,
         )
     return 0
 
@@ -125,11 +127,20 @@ def cmd_invoke(args: argparse.Namespace) -> int:
     from streambox.workflows.commands import GatewayUnreachable, invoke, load_event
     from streambox.workflows.examples import sample_event
 
-    if (args.input is None) == (not args.sample):
-        raise ValueError("give exactly one of --input FILE or --sample")
-    event = load_event(args.input) if args.input else sample_event(args.name, args.seed)
+    if args.input is not None and args.sample:
+        raise ValueError("give at most one of --input FILE or --sample")
+    if args.input is None and not args.sample and args.image is None:
+        raise ValueError("give --input FILE, --sample or --image FILE")
+    event = {}
+    if args.input or args.sample:
+        event = load_event(args.input) if args.input else sample_event(args.name, args.seed)
+    if args.image is not None:  # JPEG/PNG/.npy file bytes as the event's base64 "image"
+        from streambox.workflows.image_input import image_field
+
+        event = {**event, "image": image_field(Path(args.image).read_bytes())}
     try:
-        response = invoke(args.name, event, url=args.url, timeout_s=args.timeout)
+        token = Path(args.token_file).read_text().strip() if args.token_file else None
+        response = invoke(args.name, event, url=args.url, timeout_s=args.timeout, token=token)
     except GatewayUnreachable as error:
         print(f"streambox invoke: error: {error}", file=sys.stderr)
         return 2
@@ -176,6 +187,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--allow-remote", action="store_true", help="let --host be non-loopback (warns; use a token)"
+    )
+    p.add_argument("--token-file", help="a file holding the bearer token every caller must send")
     add_setting_flags(p, RUN, MECHANISMS, DEVICE)
     add_deprecated_alias(p, "--small", "inputs", "small")
     p.set_defaults(handler=cmd_serve)
@@ -185,9 +200,11 @@ def _invoke_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="workflow name")
     p.add_argument("--input", help="JSON file holding the event")
     p.add_argument("--sample", action="store_true", help="send a seeded synthetic event instead")
+    p.add_argument("--image", help="a JPEG, PNG or .npy image file: the event's 'image' (base64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--timeout", type=float, default=None, help="seconds")
+    p.add_argument("--token-file", help="a file holding the gateway's bearer token")
     p.set_defaults(handler=cmd_invoke)
 
 
@@ -219,6 +236,15 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     from streambox.replay.cli import add_replay_arguments
 
     add_replay_arguments(p)
+
+
+MODELS_HELP = "bring your own model: register, list, show, verify or remove models in the pool"
+
+
+def _models_arguments(p: argparse.ArgumentParser) -> None:
+    from streambox.models_cli import add_models_arguments  # argparse only: no torch
+
+    add_models_arguments(p)
 
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:
@@ -255,6 +281,7 @@ COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], N
         "and print their comparison table.",
         _report_arguments,
     ),
+    "models": (MODELS_HELP, None, _models_arguments),
     "burst": (
         "deploy a workflow on its API proxy, send a burst of requests, report latency and memory",
         "Deploy a workflow on a real API proxy (the emulated GPU by default), send N requests with at "

@@ -90,6 +90,8 @@ async def serve_async(
     stats: StatsSource | None = None,
     on_ready: Callable[[str], None] | None = None,
     stop: threading.Event | None = None,
+    allow_remote: bool = False,
+    token: str | None = None,
 ) -> None:
     """Deploy the workflows and serve them until `stop` is set or SIGINT/SIGTERM arrives."""
     config = config or Config.from_env()
@@ -100,7 +102,8 @@ async def serve_async(
     try:
         for spec in specs:
             await engine.deploy(spec)
-        async with GatewayServer(Gateway(engine, stats=stats), host, port) as server:
+        gateway = Gateway(engine, stats=stats, token=token)
+        async with GatewayServer(gateway, host, port, allow_remote=allow_remote) as server:
             finished = asyncio.Event()
             loop = asyncio.get_running_loop()
             if threading.current_thread() is threading.main_thread():
@@ -129,6 +132,8 @@ def serve(
     on_ready: Callable[[str], None] | None = None,
     stop: threading.Event | None = None,
     small: bool = False,
+    allow_remote: bool = False,
+    token: str | None = None,
 ) -> None:
     """`streambox serve WORKFLOW.yaml... [--backend emulated|cuda] [--system streambox|stream-only]`:
     validate the files, deploy them, and serve the gateway until interrupted."""
@@ -144,6 +149,8 @@ def serve(
             invoker_factory=invoker_factory,
             on_ready=on_ready,
             stop=stop,
+            allow_remote=allow_remote,
+            token=token,
         )
     )
 
@@ -186,14 +193,20 @@ class InvokeResponse:
 
 
 async def invoke_async(
-    name: str, event: dict[str, Any], *, url: str = DEFAULT_URL, timeout_s: float | None = None
+    name: str,
+    event: dict[str, Any],
+    *,
+    url: str = DEFAULT_URL,
+    timeout_s: float | None = None,
+    token: str | None = None,
 ) -> InvokeResponse:
     target = f"{url.rstrip('/')}/workflows/{name}/invoke"
     client_timeout = aiohttp.ClientTimeout(total=timeout_s)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
         async with (
             aiohttp.ClientSession(timeout=client_timeout) as session,
-            session.post(target, json=event) as response,
+            session.post(target, json=event, headers=headers) as response,
         ):
             try:
                 body = await response.json(content_type=None)
@@ -207,10 +220,16 @@ async def invoke_async(
 
 
 def invoke(
-    name: str, event: dict[str, Any], *, url: str = DEFAULT_URL, timeout_s: float | None = None
+    name: str,
+    event: dict[str, Any],
+    *,
+    url: str = DEFAULT_URL,
+    timeout_s: float | None = None,
+    token: str | None = None,
 ) -> InvokeResponse:
-    """`streambox invoke NAME --input FILE [--url URL]`: one request through a running gateway."""
-    return asyncio.run(invoke_async(name, event, url=url, timeout_s=timeout_s))
+    """`streambox invoke NAME --input FILE [--url URL] [--token-file PATH]`: one request through a
+    running gateway (with its bearer token, when it wants one)."""
+    return asyncio.run(invoke_async(name, event, url=url, timeout_s=timeout_s, token=token))
 
 
 async def run_local_async(

@@ -10,6 +10,11 @@ Each invocation is recorded (latency as the invoker measured it, time queued beh
 `max_instances`, cold start). A failing or timed-out invocation fails its request: the other
 invocations of that request are cancelled, its keys are dropped (`Invoker.end_request`) and the
 result says which function failed and why. Nothing a handler does can raise out of `Engine.run`.
+
+Bounds: a fan-out longer than its edge's `max_items` fails the call; items start lazily, at most
+`LAUNCH_WINDOW` x `max_instances` tasks per function and request at a time (back-pressure), so a wide
+fan-out neither stalls the event loop nor holds a task per item; dropping a request's keys waits at
+most `END_REQUEST_WAIT_S` (a dead proxy answers at once through its client's liveness check).
 """
 
 from __future__ import annotations
@@ -18,19 +23,21 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .invoker import InvocationError, InvocationTimeout, Invoker
-from .spec import EdgeSpec, WorkflowGraph, WorkflowSpec
+from .spec import MAX_ITEMS_CEILING, EdgeSpec, WorkflowGraph, WorkflowSpec
 
 log = logging.getLogger(__name__)
 
 Path = tuple[int, ...]  # positions in the fan-out lists on the way to an invocation
 
 OK, ERROR, TIMEOUT, CANCELLED = "ok", "error", "timeout", "cancelled"
+LAUNCH_WINDOW = 2  # launched invocations per function and request, in units of its max_instances
+END_REQUEST_WAIT_S = 2.0  # the longest a request's answer waits for its keys to be dropped
 
 
 class UnknownWorkflow(KeyError):
@@ -176,7 +183,9 @@ class _Run:
         self.invoker = engine.invoker
         self.wf = wf
         self.request_id = request_id
-        self.inflight: dict[str, int] = defaultdict(int)
+        self.inflight: dict[str, int] = defaultdict(int)  # launched or waiting for a launch
+        self.running: dict[str, int] = defaultdict(int)  # launched tasks
+        self.waiting: dict[str, deque[tuple[Any, Path]]] = defaultdict(deque)
         self.complete: set[str] = set()
         self.fan_in_started: set[str] = set()
         self.collected: dict[str, dict[str, list[tuple[Path, Any]]]] = defaultdict(lambda: defaultdict(list))
@@ -201,11 +210,21 @@ class _Run:
         return event
 
     def _launch(self, function: str, item: Any, path: Path) -> None:
-        assert self._group is not None
         self.inflight[function] += 1
-        record = CallRecord(function, path)
-        self.calls.append(record)
-        self._group.create_task(self._call(record, self._event(function, item)))
+        self.waiting[function].append((item, path))
+        self._pump(function)
+
+    def _pump(self, function: str) -> None:
+        """Start waiting items of `function` while fewer than its window are running."""
+        assert self._group is not None
+        window = LAUNCH_WINDOW * self.wf.spec.functions[function].max_instances
+        waiting = self.waiting[function]
+        while waiting and self.running[function] < window:
+            item, path = waiting.popleft()
+            self.running[function] += 1
+            record = CallRecord(function, path)
+            self.calls.append(record)
+            self._group.create_task(self._call(record, self._event(function, item)))
 
     async def _call(self, record: CallRecord, event: dict[str, Any]) -> None:
         fn = self.wf.spec.functions[record.function]
@@ -248,7 +267,9 @@ class _Run:
         record.cold_start = result.cold_start
         record.latency_s = result.latency_s
         self._deliver(record, result.output)
+        self.running[record.function] -= 1
         self.inflight[record.function] -= 1
+        self._pump(record.function)
         self._settle(record.function)
 
     def _deliver(self, record: CallRecord, output: Any) -> None:
@@ -275,6 +296,13 @@ class _Run:
         if not isinstance(value, list):
             record.status = ERROR
             record.error = f"{where} fans out, but got a {type(value).__name__}, not a list"
+            raise _CallFailed(record, f"{record.label} failed: {record.error}")
+        if len(value) > edge.max_items:
+            record.status = ERROR
+            record.error = (
+                f"{where} fans out {len(value)} items; the edge allows at most {edge.max_items} "
+                f"(its max_items, up to {MAX_ITEMS_CEILING})"
+            )
             raise _CallFailed(record, f"{record.label} failed: {record.error}")
         return [((*record.path, i), item) for i, item in enumerate(value)]
 
@@ -339,6 +367,7 @@ class Engine:
     def __init__(self, invoker: Invoker) -> None:
         self.invoker = invoker
         self._workflows: dict[str, _Deployed] = {}
+        self._ending: set[asyncio.Future[None]] = set()
 
     @property
     def specs(self) -> Mapping[str, WorkflowSpec]:
@@ -393,10 +422,7 @@ class Engine:
             log.exception("workflow %s request %s: engine error", workflow, request_id)
             status, error = ERROR, f"internal error: {type(bug).__name__}: {bug}"
         finally:
-            try:
-                await asyncio.shield(self.invoker.end_request(workflow, request_id))
-            except Exception:
-                log.exception("workflow %s request %s: end_request failed", workflow, request_id)
+            await self._end_request(workflow, request_id)
         run.calls.sort(key=lambda c: (wf.order[c.function], c.path))
         return RequestResult(
             request_id=request_id,
@@ -411,7 +437,30 @@ class Engine:
             traceback=tb,
         )
 
+    async def _end_request(self, workflow: str, request_id: str) -> None:
+        """Drop the request's keys, waiting at most `END_REQUEST_WAIT_S`: a proxy that died answers
+        at once (its client's liveness check), one that hangs must not hold the answer back; the
+        clean-up goes on in the background then."""
+        task = asyncio.ensure_future(self.invoker.end_request(workflow, request_id))
+        self._ending.add(task)
+        task.add_done_callback(self._ended)
+        done, _ = await asyncio.wait({task}, timeout=END_REQUEST_WAIT_S)
+        if not done:
+            log.warning(
+                "workflow %s request %s: end_request still running after %.1f s; answering anyway",
+                workflow,
+                request_id,
+                END_REQUEST_WAIT_S,
+            )
+
+    def _ended(self, task: asyncio.Future[None]) -> None:
+        self._ending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("end_request failed", exc_info=task.exception())
+
     async def close(self) -> None:
+        if self._ending:
+            await asyncio.wait(set(self._ending), timeout=END_REQUEST_WAIT_S)
         await self.invoker.close()
 
 

@@ -2,37 +2,57 @@
 
 Routes:
 
-- ``POST /workflows/{name}/invoke``: the JSON body is the event of the workflow's entry functions.
+- ``POST /workflows/{name}/invoke``: the JSON body is the event of the workflow's entry functions (a
+  JPEG/PNG body or a multipart upload becomes one: ``image_input.py``).
   Each request gets a new request id (also in the ``X-Request-Id`` response header) that scopes its
   keys. ``?timeout_ms=`` may shorten the workflow's ``timeout_ms`` (never lengthen it). Answers 200
   with the output and the per-function breakdown, 500 when a function failed, 504 on a timeout (both
   with the same body plus ``error`` and ``failed_call``), 404 for an unknown workflow, 400 for a body
-  that is not a JSON object.
+  that is not an event.
 - ``GET /workflows``: the deployed workflows (SLO, functions, edges).
 - ``GET /healthz``: ``{"status": "ok", "workflows": [...]}``.
 - ``GET /metrics``: Prometheus text format (`metrics.py`).
+
+Safety: an event nested deeper than `MAX_JSON_DEPTH` is refused with 400 (not a 500 from the
+parser's recursion); with a `token`, every route but ``/healthz`` wants ``Authorization: Bearer
+<token>`` (401 otherwise); `GatewayServer` binds beyond the loopback interface only with
+`allow_remote=True`, and warns when it does (louder without a token).
 """
 
 from __future__ import annotations
 
-import json
+import hmac
+import ipaddress
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from .engine import Engine
+from .image_input import MAX_JSON_DEPTH, BodyError, event_from_body, json_depth  # noqa: F401 - re-exported
 from .invoker import StatsSource
 from .metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+OPEN_ROUTES = frozenset({"/healthz"})  # answered without the bearer token
 _HTTP_STATUS = {"ok": 200, "error": 500, "timeout": 504}
 
 
 def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
+
+
+def is_loopback(host: str) -> bool:
+    """True for names and addresses that reach only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Gateway:
@@ -44,13 +64,32 @@ class Gateway:
         *,
         stats: StatsSource | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        token: str | None = None,
     ) -> None:
+        """`token`: when set, callers must send it as a bearer token (see the module docstring)."""
+        if token is not None and len(token) < 16:
+            raise ValueError("a gateway token needs at least 16 characters")
         self.engine = engine
         self.metrics = GatewayMetrics(stats)
         self.max_body_bytes = max_body_bytes
+        self.token = token
+
+    @web.middleware
+    async def _authenticate(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if self.token is not None and request.path not in OPEN_ROUTES:
+            sent = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
+                return web.json_response(
+                    {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"},
+                    status=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await handler(request)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authenticate])
         app.add_routes(
             [
                 web.post("/workflows/{name}/invoke", self.invoke),
@@ -66,12 +105,10 @@ class Gateway:
         spec = self.engine.specs.get(name)
         if spec is None:
             return _error(404, f"unknown workflow {name!r}", workflows=sorted(self.engine.specs))
-        try:
-            event = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return _error(400, f"the body is not JSON: {error}")
-        if not isinstance(event, dict):
-            return _error(400, f"the body must be a JSON object (the event), got {type(event).__name__}")
+        try:  # a JSON event, a JPEG/PNG body or a multipart upload (workflows/image_input.py)
+            event = event_from_body(request.headers.get("Content-Type", ""), await request.read())
+        except BodyError as error:
+            return _error(400, str(error))
         timeout_s = spec.timeout_ms / 1e3
         if "timeout_ms" in request.query:
             try:
@@ -127,7 +164,20 @@ class Gateway:
 class GatewayServer:
     """Runs a gateway on host:port (port 0: a free port) inside the running event loop."""
 
-    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, *, allow_remote: bool = False
+    ) -> None:
+        if not is_loopback(host):
+            if not allow_remote:
+                raise ValueError(
+                    f"binding the gateway to {host!r} exposes it beyond this machine; pass allow_remote "
+                    "(`streambox serve --allow-remote`), and set a bearer token (--token-file)"
+                )
+            log.warning(
+                "the gateway listens on %s, reachable beyond this machine%s",
+                host,
+                "" if gateway.token else " and WITHOUT authentication: anyone who reaches it can invoke",
+            )
         self.gateway = gateway
         self.host = host
         self.port = port

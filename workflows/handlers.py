@@ -12,6 +12,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from streambox.sdk import Context
@@ -35,26 +36,42 @@ def resolve_handler(ref: str, base_dir: Path | None = None) -> Handler:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise HandlerError(f"handler {ref!r} is not of the form module:function")
+    module = import_handler_module(module_name, base_dir)
+    if not hasattr(module, attr):
+        raise missing_attribute(module_name, attr, module_functions(module))
+    return check_handler(ref, getattr(module, attr))
+
+
+def import_handler_module(module_name: str, base_dir: Path | None = None) -> ModuleType:
+    """The module, imported with the workflow's folder on `sys.path`; `HandlerError` says why not."""
     _add_base_dir(base_dir)
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ImportError as error:
         raise HandlerError(f"cannot import module {module_name!r}: {error}") from error
     except Exception as error:  # the module itself is broken: say how
         raise HandlerError(
             f"importing module {module_name!r} raised {type(error).__name__}: {error}"
         ) from error
-    try:
-        handler = getattr(module, attr)
-    except AttributeError:
-        own = sorted(
-            n
-            for n, v in vars(module).items()
-            if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")
-        )
-        raise HandlerError(
-            f"module {module_name!r} has no attribute {attr!r}; its functions: {', '.join(own) or '-'}"
-        ) from None
+
+
+def module_functions(module: ModuleType) -> list[str]:
+    """The public functions defined in `module` (for error messages)."""
+    return sorted(
+        n
+        for n, v in vars(module).items()
+        if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")
+    )
+
+
+def missing_attribute(module_name: str, attr: str, functions: list[str]) -> HandlerError:
+    return HandlerError(
+        f"module {module_name!r} has no attribute {attr!r}; its functions: {', '.join(functions) or '-'}"
+    )
+
+
+def check_handler(ref: str, handler: Any) -> Handler:
+    """`handler` if it is callable with `(ctx, event)`, else `HandlerError`."""
     if not callable(handler):
         raise HandlerError(f"{ref!r} is a {type(handler).__name__}, not a function")
     try:

@@ -36,7 +36,6 @@ from streambox.comm.errors import GetTimeout  # one GET-timeout error in every r
 from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.model_pool import ModelPool
-from streambox.kernel_compiler.zoo import get_entry
 from streambox.sdk import GET_TIMEOUT_S
 
 from .handlers import Handler, resolve_handler
@@ -272,7 +271,7 @@ class LocalContext:
             x = self.upload(x)
         if not isinstance(x, DeviceTensor):
             raise TypeError(f"infer takes a device tensor handle or a CPU tensor, got {type(x).__name__}")
-        want = get_entry(model).input_dtype
+        want = self._wf.model_pool.entry(model).input_dtype
         if x.dtype != want or len(x.shape) < 2:
             raise ValueError(
                 f"model {model!r} takes a batch of {want} inputs [B, ...], got {x.dtype} {list(x.shape)}"

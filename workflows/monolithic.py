@@ -385,6 +385,11 @@ class MonolithicInvoker:
     def redis_port(self) -> int | None:
         return self._redis.port if self._redis is not None else None
 
+    @property
+    def redis_connection(self) -> dict[str, Any] | None:
+        """`redis.Redis` keyword arguments of the baseline's server (its password included)."""
+        return self._redis.connection() if self._redis is not None else None
+
     # -- Redis -----------------------------------------------------------------------------------
     async def _ensure_redis(self) -> None:
         if self._redis is not None:
@@ -397,7 +402,7 @@ class MonolithicInvoker:
         import redis.asyncio
 
         self._redis = server
-        self._client = redis.asyncio.Redis(host="127.0.0.1", port=server.port)
+        self._client = redis.asyncio.Redis(**server.connection())
         self._end_script = self._client.register_script(END_REQUEST_LUA)
         with contextlib.suppress(Exception):
             self.redis_version = (await self._client.info("server")).get("redis_version")
@@ -468,6 +473,7 @@ class MonolithicInvoker:
             },
             "model_shapes": self.model_shapes,
             "redis_port": self._redis.port,
+            "redis_password_file": str(self._redis.password_file),  # the password is never on argv
         }
         ours, theirs = socket.socketpair()
         process: subprocess.Popen[bytes] | None = None

@@ -35,7 +35,6 @@ from streambox.comm.handle import Allocator
 from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.plan import KernelPlan
-from streambox.kernel_compiler.zoo import get_entry
 
 from .handlers import resolve_handler
 from .local import (
@@ -279,12 +278,13 @@ class Instance:
         self.invoker = LocalInvoker.open(config, system="stream-only", device=int(args["device"]))
         try:
             self.runtime = self.invoker.runtime
-            client = redis.Redis(host="127.0.0.1", port=int(args["redis_port"]))
+            password = Path(args["redis_password_file"]).read_text()
+            client = redis.Redis(host="127.0.0.1", port=int(args["redis_port"]), password=password)
             client.ping()
             self.wf = _InstanceWorkflow(self.invoker, spec, {self.function: handler}, client)
             self.stream = self.runtime.create_stream()
             for model in fn.models:  # its own copy of its models, loaded at start
-                entry = get_entry(model)
+                entry = self.wf.model_pool.entry(model)
                 shape = entry.small_input_shape if args.get("model_shapes", "small") == "small" else None
                 self.wf.model(model, fn.batch_size, tuple(shape or entry.input_shape))
         except BaseException:

@@ -17,7 +17,7 @@ The schema (every key is checked; unknown keys are errors)::
         gpu_percent: 50           # optional: its kernels use at most this share of the GPU's units
         params: {image_size: 320} # optional: handed to the handler as event["params"]
     edges:
-      - {from: detect, to: face, select: people, fan_out: true}
+      - {from: detect, to: face, select: people, fan_out: true}   # max_items: 1000 (at most 100000)
       - {from: face, to: report, fan_in: true}
 
 Semantics (the engine's, `engine.py`):
@@ -25,6 +25,10 @@ Semantics (the engine's, `engine.py`):
 - Entry functions (no incoming edge) are invoked once with the request's event.
 - An edge delivers the upstream output (or its field ``select``) to the downstream function: once per
   upstream invocation, or, with ``fan_out``, once per item of that list.
+- A fan-out list longer than the edge's ``max_items`` fails the upstream call (and so the request)
+  with an error naming the edge and the limit. Items start lazily: at most twice the downstream
+  function's ``max_instances`` invocations of one request are launched at a time; the next item
+  starts as one finishes (back-pressure: a wide fan-out holds no task per item).
 - A function without ``fan_in`` is invoked once per delivered item; its event is the item (a JSON
   object; anything else arrives wrapped as ``{"value": item}``).
 - A function whose incoming edges are ``fan_in`` waits until every upstream invocation of the request
@@ -52,6 +56,8 @@ HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 HandlerRef = Annotated[str, StringConstraints(pattern=HANDLER_PATTERN, max_length=200)]
 DEFAULT_TIMEOUT_MS = 30_000.0
 DEFAULT_MAX_INSTANCES = 4
+DEFAULT_MAX_ITEMS = 1000  # items one fan-out may start (per upstream invocation)
+MAX_ITEMS_CEILING = 100_000
 
 
 class _Strict(BaseModel):
@@ -76,6 +82,9 @@ class EdgeSpec(_Strict):
     to: Name
     select: str | None = Field(None, min_length=1, description="field of the upstream output to pass")
     fan_out: bool = Field(False, description="one downstream invocation per item of a list")
+    max_items: int = Field(
+        DEFAULT_MAX_ITEMS, ge=1, le=MAX_ITEMS_CEILING, description="a longer fan-out list fails its call"
+    )
     fan_in: bool = Field(False, description="the downstream waits for all upstream invocations")
 
 

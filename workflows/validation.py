@@ -3,7 +3,8 @@
 The YAML is composed into nodes (PyYAML's compose API), which keep their position; the data built from
 them is validated by the pydantic models of `spec.py`, and every error's location (a path of keys and
 indices) is mapped back to the line of that key. Then the graph (cycles, joins, unknown functions),
-the handlers (importable, callable with `(ctx, event)`) and the models (in the zoo) are checked. All
+the handlers (the workflow's own code, importable, callable with `(ctx, event)`: `handler_check.py`,
+in a child process) and the models (in the zoo) are checked. All
 mistakes are reported at once, one line each::
 
     traffic.yaml:7:5: functions.detect.batchsize: unknown key; did you mean 'batch_size'? ...
@@ -23,12 +24,28 @@ from yaml.constructor import SafeConstructor
 from yaml.error import Mark
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from streambox.kernel_compiler.zoo import ZOO, UnknownModelError
+from streambox.kernel_compiler.model_pool import unknown_model
 
-from .handlers import HandlerError, declared_models, resolve_handler
+from .handler_check import check_target, inspect_handlers
+from .handlers import HandlerError
 from .spec import HANDLER_PATTERN, NAME_PATTERN, EdgeSpec, FunctionSpec, WorkflowSpec, check_graph
 
 Loc = tuple[str | int, ...]
+
+#: Bounds of a workflow document: values built (aliases count once per use, so an alias bomb stops
+#: here instead of expanding), alias uses, and the nesting depth. Real workflows are far below them.
+MAX_NODES = 10_000
+MAX_ALIAS_USES = 200
+MAX_DEPTH = 64
+MAX_FILE_BYTES = 1 << 20
+
+
+class _TooLarge(Exception):
+    """The document passed one of the bounds above; the message says which."""
+
+    def __init__(self, message: str, mark: Mark) -> None:
+        super().__init__(message)
+        self.mark = mark
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,9 @@ class _Document:
         self.marks: dict[Loc, Mark] = {}
         self.issues: list[Issue] = []
         self._constructor = SafeConstructor()
+        self._built = 0
+        self._seen: set[int] = set()
+        self._alias_uses = 0
 
     def issue(self, loc: Loc, message: str, mark: Mark | None = None) -> None:
         mark = mark or self.mark_for(loc)
@@ -93,6 +113,7 @@ class _Document:
         if id(node) in active:
             self.issue(loc, "recursive YAML alias", node.start_mark)
             return None
+        self._count(node, len(active))
         active = active | {id(node)}
         if isinstance(node, MappingNode):
             self._constructor.flatten_mapping(node)  # merge keys (<<) as PyYAML does
@@ -115,6 +136,24 @@ class _Document:
                 items.append(self.build(item, (*loc, i), active))
             return items
         return self._constructor.construct_object(node)
+
+
+    def _count(self, node: Node, depth: int) -> None:
+        self._built += 1
+        if id(node) in self._seen:  # composed once, reached again: an alias
+            self._alias_uses += 1
+        else:
+            self._seen.add(id(node))
+        if self._built > MAX_NODES:
+            raise _TooLarge(
+                f"the document expands to more than {MAX_NODES} values "
+                f"({self._alias_uses} uses of YAML aliases so far); a workflow needs far fewer",
+                node.start_mark,
+            )
+        if self._alias_uses > MAX_ALIAS_USES:
+            raise _TooLarge(f"more than {MAX_ALIAS_USES} uses of YAML aliases", node.start_mark)
+        if depth > MAX_DEPTH:
+            raise _TooLarge(f"values nested more than {MAX_DEPTH} levels deep", node.start_mark)
 
 
 def _model_at(loc: Loc) -> type[BaseModel] | None:
@@ -164,17 +203,13 @@ def _pydantic_issues(doc: _Document, error: ValidationError) -> None:
 
 
 def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -> WorkflowSpec:
+    declared_by = _check_handlers(doc, spec) if check_handlers else {}
     filled: dict[str, FunctionSpec] = {}
     for name, fn in spec.functions.items():
-        declared: list[str] | None = None
-        if check_handlers:
-            try:
-                declared = declared_models(resolve_handler(fn.handler, spec.base_dir))
-            except HandlerError as error:
-                doc.issue(("functions", name, "handler"), str(error))
+        declared = declared_by.get(name)
         for i, model in enumerate(fn.models):
-            if model not in ZOO:
-                doc.issue(("functions", name, "models", i), str(UnknownModelError(model, list(ZOO))))
+            if problem := unknown_model(model):  # neither the zoo's nor registered in the model pool
+                doc.issue(("functions", name, "models", i), problem)
             elif model in fn.models[:i]:
                 doc.issue(("functions", name, "models", i), f"model {model!r} is listed twice")
         if declared is not None:
@@ -192,6 +227,25 @@ def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -
     return spec.model_copy(update={"functions": functions}).with_base_dir(spec.base_dir)
 
 
+def _check_handlers(doc: _Document, spec: WorkflowSpec) -> dict[str, list[str] | None]:
+    """The models each usable handler declares; an issue for every other one. Handlers must be the
+    workflow's own code, and are imported in a child process, never in this one."""
+    refs: dict[str, str] = {}
+    for name, fn in spec.functions.items():
+        try:
+            check_target(fn.handler, spec.base_dir)
+            refs[name] = fn.handler
+        except HandlerError as error:
+            doc.issue(("functions", name, "handler"), str(error))
+    declared: dict[str, list[str] | None] = {}
+    for name, outcome in (inspect_handlers(refs, spec.base_dir) if refs else {}).items():
+        if isinstance(outcome, HandlerError):
+            doc.issue(("functions", name, "handler"), str(outcome))
+        else:
+            declared[name] = outcome
+    return declared
+
+
 def parse_spec(
     text: str,
     file: str = "<string>",
@@ -206,6 +260,9 @@ def parse_spec(
         if root is not None:
             doc.marks[()] = root.start_mark
         data = doc.build(root) if root is not None else None
+    except _TooLarge as error:
+        doc.issue((), str(error), error.mark)
+        raise WorkflowValidationError(doc.issues) from None
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         problem = "; ".join(p for p in (error.context, error.problem) if p)
@@ -213,6 +270,9 @@ def parse_spec(
         raise WorkflowValidationError(doc.issues) from None
     except yaml.YAMLError as error:
         doc.issue((), f"invalid YAML: {error}")
+        raise WorkflowValidationError(doc.issues) from None
+    except RecursionError:  # the composer recurses per level, before `build` can count
+        doc.issue((), f"values nested more than {MAX_DEPTH} levels deep")
         raise WorkflowValidationError(doc.issues) from None
     if not isinstance(data, dict):
         keys = ", ".join(_keys_of(WorkflowSpec))
@@ -236,6 +296,9 @@ def validate_file(path: str | Path, *, check_handlers: bool = True) -> WorkflowS
     """Load and validate a workflow YAML file (the CLI's `streambox validate`)."""
     path = Path(path)
     try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            message = f"{path.stat().st_size} bytes; a workflow file may have at most {MAX_FILE_BYTES}"
+            raise WorkflowValidationError([Issue(str(path), None, None, "", message)])
         text = path.read_text()
     except OSError as error:
         raise WorkflowValidationError(

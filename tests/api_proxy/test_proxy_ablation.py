@@ -102,14 +102,17 @@ def test_weights_load_through_the_daemon_and_outputs_stay_exact(proxies, zoo_mod
 
 
 def test_static_pool_keeps_its_memory_while_fm_rs_shrinks(proxies, settled):
+    before = {name: client.stats()["pool"]["trims"] for name, client in proxies.items()}
     for client in proxies.values():
         client.invoke("classify", {"seed": 5})
     after = {name: client.stats()["pool"]["reserved_bytes"] for name, client in proxies.items()}
+    # (fm+rs may have shrunk already when `after` is read: its trim count is what shows it.)
     rs = settled(
         proxies["fm+rs"],
-        lambda s: s["pool"]["reserved_bytes"] < after["fm+rs"] and s["models_resident_bytes"] == 0,
+        lambda s: s["pool"]["trims"] > before["fm+rs"] and s["models_resident_bytes"] == 0,
         20.0,
     )
-    assert rs["pool"]["reserved_bytes"] < after["fm+rs"]  # resilient scaling gave memory back
+    assert rs["pool"]["trims"] > before["fm+rs"]  # resilient scaling gave memory back
     # Meanwhile the static pool (no scaler, it never shrinks) still holds what it grew to.
-    assert proxies["static"].stats()["pool"]["reserved_bytes"] == after["static"]
+    static = proxies["static"].stats()["pool"]
+    assert static["reserved_bytes"] == after["static"] > 0 and static["trims"] == before["static"]

@@ -101,7 +101,7 @@ def test_bad_events_fail_with_the_reason(make_invoker, run):
 
     result = run(go())
     assert result.status == "error" and result.failed_call == "detect"
-    assert result.error.startswith("detect failed: ValueError: 'image' is not base64 text of a .npy array")
+    assert result.error.startswith("detect failed: ValueError: 'image' is not base64 text")
 
 
 def test_images_round_trip_and_crops():

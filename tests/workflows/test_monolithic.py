@@ -110,7 +110,7 @@ def test_instances_are_processes_keys_cross_them_through_redis_and_failures_stay
             assert invoker.memory_breakdown()["instances"] == 0  # nothing runs before the first call
             from redis import Redis
 
-            redis = Redis(host="127.0.0.1", port=invoker.redis_port)
+            redis = Redis(**invoker.redis_connection)
 
             # Two concurrent calls of one function: neither can finish without the other, so they
             # run in two instances (both cold), and the keys go across through Redis both ways.

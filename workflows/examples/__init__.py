@@ -2,7 +2,9 @@
 
 - ``image-processing``: face recognition (ResNet-18) -> image enhancement (ESPCN);
 - ``traffic``: object detection (SSDlite320) -> per object face (ResNet-50) or car recognition (VGG-16);
-- ``social-media``: text encoder and MobileNetV3 on a post -> fan-in aggregation.
+- ``social-media``: text encoder and MobileNetV3 on a post -> fan-in aggregation;
+- ``shapes`` (not the paper's): a shape classifier the project trains itself, served as a registered
+  model (``shapes_model``); using the example registers it in the model pool first, once.
 
 The YAML files use the models' realistic input sizes. `load_example(name, small=True)` swaps in the
 zoo's small input shapes (what the tests run: every layer, a fraction of the work), and
@@ -15,6 +17,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..spec import WorkflowSpec
 from .imaging import encode_image, synthetic_image
 
@@ -22,6 +26,7 @@ EXAMPLES: dict[str, str] = {
     "image-processing": "image_processing.yaml",
     "traffic": "traffic.yaml",
     "social-media": "social_media.yaml",
+    "shapes": "shapes.yaml",
 }
 
 #: Per workflow, per function: params replacing the realistic input sizes by the zoo's small ones.
@@ -38,6 +43,7 @@ SMALL_PARAMS: dict[str, dict[str, dict[str, Any]]] = {
         },
     },
     "social-media": {"text": {"seq_len": 16}, "vision": {"image_size": 32}},
+    "shapes": {},  # already small
 }
 
 _POSTS = (
@@ -55,7 +61,12 @@ def _check(name: str) -> str:
 
 
 def example_path(name: str) -> Path:
-    """The YAML file of a bundled workflow (a real file inside the installed package)."""
+    """The YAML file of a bundled workflow (a real file inside the installed package). The model of
+    ``shapes`` is trained and registered in the model pool first if the pool lacks it."""
+    if _check(name) == "shapes":
+        from .shapes_model import ensure_registered
+
+        ensure_registered()
     return Path(str(resources.files(__name__).joinpath(EXAMPLES[_check(name)])))
 
 
@@ -68,6 +79,11 @@ def load_example(name: str, *, small: bool = False) -> WorkflowSpec:
 
 def sample_event(name: str, seed: int = 0, *, height: int = 240, width: int = 320) -> dict[str, Any]:
     """A seeded synthetic request for a bundled workflow."""
+    if _check(name) == "shapes":
+        from .shapes_model import CLASSES, draw_shape
+
+        rng = np.random.default_rng(seed)
+        return {"image": encode_image(draw_shape(CLASSES[seed % len(CLASSES)], rng))}
     image = encode_image(synthetic_image(seed, height, width))
     if _check(name) == "social-media":
         return {"post_id": f"post-{seed}", "text": _POSTS[seed % len(_POSTS)], "image": image}

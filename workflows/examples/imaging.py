@@ -1,9 +1,10 @@
 """CPU-side helpers of the example handlers: the image wire format, synthetic images, resizing,
 cropping and a toy tokenizer. Nothing here touches the device.
 
-Images travel in events as base64 text of a `.npy` file holding a uint8 array `[height, width, 3]`
-(RGB). The gateway never decodes them: the entry function does, resizes on the CPU and uploads the
-tensor through `ctx.upload`, so the gateway needs no device and the bytes reach the GPU once.
+Images travel in events as base64 text of a JPEG or PNG file, or of a `.npy` file holding a uint8
+array `[height, width, 3]` (RGB) (``workflows/image_input.py``). The gateway never decodes them: the
+entry function does, resizes on the CPU and uploads the tensor through `ctx.upload`, so the gateway
+needs no device and the bytes reach the GPU once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..image_input import decode_image_field
+
 
 def encode_image(image: np.ndarray) -> str:
     """A uint8 `[H, W, 3]` array as base64 text of its `.npy` bytes."""
@@ -29,18 +32,8 @@ def encode_image(image: np.ndarray) -> str:
 
 
 def decode_image(text: object) -> torch.Tensor:
-    """The event's image as a float tensor `[3, H, W]` in [0, 1]."""
-    if not isinstance(text, str):
-        raise ValueError(
-            f"'image' must be base64 text of a .npy uint8 [H, W, 3] array, got {type(text).__name__}"
-        )
-    try:
-        array = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
-    except (ValueError, OSError) as error:
-        raise ValueError(f"'image' is not base64 text of a .npy array: {error}") from None
-    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3 or min(array.shape[:2]) < 1:
-        raise ValueError(f"'image' must be a uint8 array [H, W, 3], got {array.dtype} {list(array.shape)}")
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
+    """The event's image (base64 of JPEG, PNG or `.npy` bytes) as a float tensor `[3, H, W]` in [0, 1]."""
+    return decode_image_field(text)
 
 
 def image_to_uint8(image: torch.Tensor) -> np.ndarray:

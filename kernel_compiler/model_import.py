@@ -1,0 +1,145 @@
+"""Turning a user's model into a checked kernel plan: calling a factory, loading weights, exporting and
+lowering with errors that name the file and the construct, and checking a plan against eager torch.
+``registry`` uses it to register models; the error types are the ones a user sees.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from .lowering import LoweringError, lower_program
+from .plan import KernelPlan
+from .reference import plan_outputs
+from .zoo import SEED
+
+SUPPORTED = (
+    "one tensor input of a static shape (batch first); tensor outputs; core ATen ops after "
+    "torch.export (ops with a .out overload run in place of their destination, others as fallback "
+    "kernels); no control-flow ops (torch.cond, while_loop), data-dependent shapes or .item()"
+)
+
+
+class ModelRegistrationError(ValueError):
+    """A model that cannot be registered; the message names the file and what is wrong."""
+
+    def __init__(self, file: str, problem: str) -> None:
+        super().__init__(f"{file}: {problem}")
+        self.file = file
+        self.problem = problem
+
+
+class UnsupportedModelError(ModelRegistrationError):
+    """Export or lowering failed: the message names the op or construct, what is supported, the file."""
+
+    def __init__(self, file: str, construct: str) -> None:
+        super().__init__(file, f"cannot lower this model: {construct.rstrip('.')}. Supported: {SUPPORTED}")
+        self.construct = construct
+
+
+def call_factory(factory: str) -> tuple[nn.Module, tuple[int, ...] | None]:
+    """Import and call ``package.module:build``; it returns a module, or (module, input shape)."""
+    module_name, colon, attr = factory.partition(":")
+    if not colon or not module_name or not attr:
+        raise ModelRegistrationError(factory, "a factory is written package.module:function")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ModelRegistrationError(factory, f"cannot import the factory: {error}") from None
+    built = fn()
+    shape = None
+    if isinstance(built, tuple) and len(built) == 2:
+        built, shape = built
+        shape = tuple(int(d) for d in shape)
+    if not isinstance(built, nn.Module):
+        raise ModelRegistrationError(
+            factory, f"the factory returned {type(built).__name__}, not an nn.Module"
+        )
+    shape = shape or getattr(built, "example_input_shape", None)
+    return built.eval(), tuple(shape) if shape is not None else None
+
+
+def load_weights(module: nn.Module, weights: Path) -> None:
+    if weights.suffix == ".safetensors":
+        state = load_file(str(weights))
+    else:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+            state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ModelRegistrationError(str(weights), f"holds a {type(state).__name__}, not a state dict")
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        raise ModelRegistrationError(str(weights), f"does not fit the factory's module: {error}") from None
+
+
+def example_for(shape: Sequence[int], dtype: torch.dtype, batch: int) -> torch.Tensor:
+    """The seeded input registration checks a plan with."""
+    gen = torch.Generator().manual_seed(SEED + 1)
+    if dtype.is_floating_point:
+        return torch.rand((batch, *shape), generator=gen, dtype=dtype)
+    return torch.randint(0, 2, (batch, *shape), generator=gen, dtype=dtype)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return f"{type(error).__name__}: {text.splitlines()[0]}"
+
+
+def _refuse_control_flow(graph: torch.fx.Graph) -> None:
+    """Name the first control-flow construct (a higher-order op such as ``cond``): a plan is a
+    straight line of kernels."""
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            raise LoweringError(f"node {node.name}: control-flow op torch.{node.target.name()}")
+
+
+def lower_for(
+    file: str, ref: str, eager: nn.Module, example: torch.Tensor, program: Any | None = None
+) -> KernelPlan:
+    """Lower for ``example``'s shape; export and lowering failures become ``UnsupportedModelError``."""
+    start = time.perf_counter()
+    try:
+        if program is None:
+            if not isinstance(eager, torch.fx.GraphModule):  # a .pt2's module refuses eval(); it has no modes
+                eager.eval()
+            with torch.no_grad():
+                program = torch.export.export(eager, (example,))
+        ep = program.run_decompositions()  # default table: core ATen
+        _refuse_control_flow(ep.graph)
+        plan = lower_program(ep, ref, int(example.shape[0]), list(example.shape[1:]), example.dtype)
+        plan.meta["lowering_s"] = round(time.perf_counter() - start, 3)
+    except LoweringError as error:
+        raise UnsupportedModelError(file, str(error)) from error
+    except Exception as error:  # torch.export raises many types; all of them mean "cannot export"
+        raise UnsupportedModelError(file, f"torch.export failed with {first_line(error)}") from error
+    if len(plan.inputs) != 1:
+        raise UnsupportedModelError(file, f"the model takes {len(plan.inputs)} tensor inputs, not one")
+    return plan
+
+
+def check_plan(file: str, plan: KernelPlan, eager: nn.Module, example: torch.Tensor) -> float:
+    """The largest |plan - eager| over the outputs for ``example``; raises if they disagree."""
+    with torch.no_grad():
+        want = [t for t in tree_leaves(eager(example)) if isinstance(t, torch.Tensor)]
+    got = plan_outputs(plan, [example])
+    shapes_got, shapes_want = [list(t.shape) for t in got], [list(t.shape) for t in want]
+    if shapes_got != shapes_want:
+        raise ModelRegistrationError(file, f"plan outputs {shapes_got} but eager torch gives {shapes_want}")
+    worst, scale = 0.0, 1.0
+    for w, g in zip(want, got, strict=True):
+        if w.numel():
+            worst = max(worst, float((w.double() - g.double()).abs().max()))
+            scale = max(scale, float(w.double().abs().max()))
+    if not worst <= 1e-4 * scale:  # also catches NaN: a kernel that never wrote its output
+        raise ModelRegistrationError(file, f"the lowered plan differs from eager torch by {worst:.3g}")
+    return worst

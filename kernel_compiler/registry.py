@@ -1,0 +1,378 @@
+"""Bring your own model: models from outside the zoo, registered in the model pool by name and version.
+
+A model comes in one of two forms PyTorch users already have: an exported program saved with
+``torch.export.save`` (``.pt2``), or a factory ``package.module:build`` returning an ``nn.Module``
+(weights from a safetensors or state-dict file, or whatever the factory set). Registration lowers it
+into a kernel plan per declared batch size, profiles each plan (memory per kernel, modelled time per
+inference from ``cost_model``), runs each plan on the reference interpreter against eager torch on one
+seeded input, and only then publishes the lot.
+
+Layout: ``root/<name>@<version>/`` holds ``model.json`` (the ``ModelRecord``), the model's source
+(``source.pt2``, or ``state.safetensors``: the factory module's weights as registered) and one plan
+directory per batch in the model pool's own layout (``b<batch>_<shape>/``). The whole directory is
+built under a temporary name and renamed into place in one step: a failed registration leaves nothing.
+``name`` alone means the latest version. Turning a model into a checked plan: ``model_import``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+from torch.export.graph_signature import InputKind
+
+from .argcodec import dtype_from_name, dtype_name
+from .memory_profile import profile_plan
+from .model_import import (
+    ModelRegistrationError,
+    UnsupportedModelError,
+    call_factory,
+    check_plan,
+    example_for,
+    first_line,
+    load_weights,
+    lower_for,
+)
+from .plan import PLAN_FILE, KernelPlan
+from .zoo import ZOO, ModelEntry
+
+__all__ = [
+    "BatchReport",
+    "ModelRecord",
+    "ModelRegistrationError",
+    "UnsupportedModelError",
+    "find",
+    "load_module",
+    "parse_ref",
+    "register",
+    "registered",
+    "remove",
+    "verify",
+]
+
+MANIFEST = "model.json"
+SOURCE_PT2 = "source.pt2"
+STATE_FILE = "state.safetensors"
+DEFAULT_PRESET = "v100-16gb"
+NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
+
+
+@dataclass
+class BatchReport:
+    """One lowered batch size: the plan's size, its memory, its modelled time, its check against eager."""
+
+    batch: int
+    kernels: int
+    fallback_kernels: int
+    peak_live_bytes: int  # intermediates and outputs at once, lazy allocation + eager recycling
+    modelled_s: float  # per inference on ``ModelRecord.preset``, from kernel_compiler.cost_model
+    max_abs_diff: float  # largest |plan - eager| over the outputs, on one seeded input
+
+
+@dataclass
+class ModelRecord:
+    """What ``model.json`` says about one registered version."""
+
+    name: str
+    version: int
+    source_kind: str  # "pt2" or "factory"
+    source: str  # the .pt2 file or "package.module:build", as given
+    source_sha256: str  # of the .pt2 file, or of the factory's weights as registered
+    weights: str | None  # the weights file given with a factory, if any
+    input_shape: list[int]  # without the batch dimension
+    input_dtype: str
+    weight_bytes: int
+    preset: str
+    lowered_at: str
+    torch: str
+    batches: list[BatchReport] = field(default_factory=list)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelRecord:
+        d = json.loads(text)
+        d["batches"] = [BatchReport(**b) for b in d["batches"]]
+        return cls(**d)
+
+
+# --- names and lookup ------------------------------------------------------------------------------
+
+
+def parse_ref(text: str) -> tuple[str, int | None]:
+    """``"face@2"`` -> ``("face", 2)``; ``"face"`` -> ``("face", None)`` (the latest)."""
+    name, at, version = text.partition("@")
+    if not NAME_PATTERN.match(name):
+        raise ValueError(
+            f"model name {name!r} must be lower-case letters, digits, '_' or '-', starting with a letter"
+        )
+    if not at:
+        return name, None
+    if not version.isdigit() or int(version) < 1:
+        raise ValueError(f"model version in {text!r} must be a positive integer (e.g. {name}@1)")
+    return name, int(version)
+
+
+def _versions(root: Path, name: str) -> list[int]:
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.glob(f"{name}@*"):
+        version = d.name.partition("@")[2]
+        if version.isdigit() and (d / MANIFEST).exists():
+            found.append(int(version))
+    return sorted(found)
+
+
+def read_record(model_dir: Path) -> ModelRecord:
+    return ModelRecord.from_json((model_dir / MANIFEST).read_text())
+
+
+def find(root: Path, ref: str) -> ModelRecord | None:
+    """The registered version ``ref`` names (``name``: the latest), or None."""
+    if "@" not in ref and not NAME_PATTERN.match(ref):
+        return None
+    try:
+        name, version = parse_ref(ref)
+    except ValueError:
+        return None
+    versions = _versions(root, name)
+    if version is None:
+        version = versions[-1] if versions else None
+    if version not in versions:
+        return None
+    return read_record(root / f"{name}@{version}")
+
+
+def registered(root: Path) -> list[ModelRecord]:
+    """Every registered version in the pool, by name then version."""
+    if not root.is_dir():
+        return []
+    records = [read_record(d) for d in root.iterdir() if "@" in d.name and (d / MANIFEST).exists()]
+    return sorted(records, key=lambda r: (r.name, r.version))
+
+
+def as_entry(root: Path, record: ModelRecord) -> ModelEntry:
+    """A registered model seen as a zoo entry, so the runtime treats both alike."""
+    return ModelEntry(
+        name=record.ref,
+        builder=lambda: load_module(root, record),
+        input_shape=tuple(record.input_shape),
+        input_dtype=dtype_from_name(record.input_dtype),
+        description=f"registered from {record.source}",
+        source="registered",
+        small_input_shape=tuple(record.input_shape),
+    )
+
+
+# --- building the module ---------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_module(root: Path, record: ModelRecord) -> nn.Module:
+    """The eager module of a registered version, from the copy the pool keeps."""
+    model_dir = root / record.ref
+    if record.source_kind == "pt2":
+        return torch.export.load(model_dir / SOURCE_PT2).module()
+    module, _ = call_factory(record.source)
+    load_model(module, str(model_dir / STATE_FILE))
+    return module.eval()
+
+
+def lower_registered(root: Path, record: ModelRecord, batch: int, shape: tuple[int, ...]) -> KernelPlan:
+    """A plan for a batch or shape the model was not registered with (lowered on first use)."""
+    source = str(root / record.ref / SOURCE_PT2) if record.source_kind == "pt2" else record.source
+    example = example_for(shape, dtype_from_name(record.input_dtype), batch)
+    return lower_for(source, record.ref, load_module(root, record), example)
+
+
+# --- registration ----------------------------------------------------------------------------------
+
+
+def register(
+    root: Path | str,
+    name: str,
+    *,
+    pt2: Path | str | None = None,
+    factory: str | None = None,
+    weights: Path | str | None = None,
+    input_shape: Sequence[int] | None = None,
+    input_dtype: str = "float32",
+    batches: Sequence[int] = (1,),
+    preset: str = DEFAULT_PRESET,
+) -> ModelRecord:
+    """Register the next version of ``name`` from a ``.pt2`` file or a factory; all or nothing."""
+    root = Path(root)
+    base, version = parse_ref(name)
+    if version is not None:
+        raise ValueError(f"give the name without a version ({base!r}); registration picks the next one")
+    if base in ZOO:
+        raise ValueError(f"{base!r} is a zoo model; register under another name")
+    if (pt2 is None) == (factory is None):
+        raise ValueError("give exactly one of a .pt2 file or a package.module:build factory")
+    if weights is not None and factory is None:
+        raise ValueError("weights go with a factory; a .pt2 file carries its own")
+    batches = sorted({int(b) for b in batches})
+    if not batches or batches[0] < 1:
+        raise ValueError(f"batch sizes must be positive integers, got {list(batches)}")
+
+    program, static_batch = None, None
+    if pt2 is not None:
+        file = str(Path(pt2).resolve())
+        if not Path(pt2).is_file():
+            raise ModelRegistrationError(file, "no such file")
+        try:
+            program = torch.export.load(pt2)
+        except Exception as error:
+            raise ModelRegistrationError(
+                file, f"not a torch.export.save file ({first_line(error)})"
+            ) from None
+        eager = program.module()
+        user_inputs = [
+            s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT
+        ]
+        if len(user_inputs) != 1:
+            raise UnsupportedModelError(file, f"the program takes {len(user_inputs)} tensor inputs, not one")
+        val = next(n for n in program.graph.nodes if n.name == user_inputs[0]).meta["val"]
+        if any(not isinstance(d, int) for d in val.shape[1:]):
+            raise UnsupportedModelError(file, f"input shape {list(val.shape)} is dynamic beyond the batch")
+        dtype, shape = val.dtype, tuple(val.shape[1:])
+        # A batch exported static serves that batch only; a dynamic one (torch.export.Dim) serves any.
+        static_batch = val.shape[0] if isinstance(val.shape[0], int) else None
+        if static_batch is not None and (others := [b for b in batches if b != static_batch]):
+            raise ModelRegistrationError(
+                file,
+                f"was exported for batch {static_batch} only, so it cannot serve batch sizes {others}: "
+                "export with dynamic_shapes={'x': {0: torch.export.Dim('batch')}} or register batch "
+                f"{static_batch}",
+            )
+        if input_shape is not None and tuple(input_shape) != shape:
+            raise ModelRegistrationError(
+                file, f"was exported for input shape {list(shape)}, not {list(input_shape)}"
+            )
+    else:
+        file = str(factory)
+        eager, factory_shape = call_factory(str(factory))
+        if weights is not None:
+            if not Path(weights).is_file():
+                raise ModelRegistrationError(str(weights), "no such file")
+            weights = Path(weights).resolve()
+            load_weights(eager, weights)
+        shape = tuple(input_shape) if input_shape is not None else factory_shape
+        if shape is None:
+            raise ModelRegistrationError(
+                file,
+                "no input shape: pass one, or have the factory return (module, shape) or set "
+                "module.example_input_shape",
+            )
+        dtype = dtype_from_name(input_dtype)
+
+    root.mkdir(parents=True, exist_ok=True)
+    number = (_versions(root, base) or [0])[-1] + 1
+    ref = f"{base}@{number}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{ref}-", dir=root))
+    try:
+        if pt2 is not None:
+            shutil.copyfile(pt2, tmp / SOURCE_PT2)
+            digest = _sha256(tmp / SOURCE_PT2)
+        else:
+            save_model(eager, str(tmp / STATE_FILE))
+            digest = _sha256(tmp / STATE_FILE)
+        reports, weight_bytes = [], 0
+        for batch in batches:
+            example = example_for(shape, dtype, batch)
+            exact = program is not None and batch == static_batch
+            plan = lower_for(file, ref, eager, example, program if exact else None)
+            diff = check_plan(file, plan, eager, example)
+            profile = profile_plan(plan)
+            plan_dir = tmp / f"b{batch}_{'x'.join(map(str, shape))}"
+            plan.save(plan_dir)
+            (plan_dir / "memory_profile.json").write_text(profile.to_json())
+            weight_bytes = plan.weight_bytes
+            reports.append(
+                BatchReport(
+                    batch=batch,
+                    kernels=len(plan.kernels),
+                    fallback_kernels=plan.fallback_count,
+                    peak_live_bytes=profile.peak_eager,
+                    modelled_s=sum(plan.kernel_seconds(preset)),
+                    max_abs_diff=diff,
+                )
+            )
+        record = ModelRecord(
+            name=base,
+            version=number,
+            source_kind="pt2" if pt2 is not None else "factory",
+            source=file,
+            source_sha256=digest,
+            weights=str(weights) if weights is not None else None,
+            input_shape=list(shape),
+            input_dtype=dtype_name(dtype),
+            weight_bytes=weight_bytes,
+            preset=preset,
+            lowered_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            torch=torch.__version__,
+            batches=reports,
+        )
+        (tmp / MANIFEST).write_text(record.to_json())
+        os.rename(tmp, root / ref)  # fails if a concurrent registration took this version first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return record
+
+
+def verify(root: Path | str, ref: str) -> list[tuple[int, float]]:
+    """Re-run every stored plan of ``ref`` against eager torch: (batch, largest difference) each."""
+    root = Path(root)
+    record = find(root, ref)
+    if record is None:
+        raise KeyError(ref)
+    eager = load_module(root, record)
+    results = []
+    for d in sorted((root / record.ref).iterdir()):
+        if not (d / PLAN_FILE).exists():
+            continue
+        plan = KernelPlan.load(d)
+        example = example_for(plan.input_shape, dtype_from_name(plan.input_dtype), plan.batch)
+        results.append((plan.batch, check_plan(str(d), plan, eager, example)))
+    return results
+
+
+def remove(root: Path | str, ref: str) -> list[str]:
+    """Remove ``name@version``, or every version of ``name``; returns what was removed."""
+    root = Path(root)
+    name, version = parse_ref(ref)
+    gone = []
+    for v in _versions(root, name) if version is None else [version]:
+        target = root / f"{name}@{v}"
+        if not (target / MANIFEST).exists():
+            continue
+        # Rename first so readers never see a half-deleted model.
+        trash = Path(tempfile.mkdtemp(prefix=f".trash-{name}@{v}-", dir=root))
+        os.rename(target, trash / "model")
+        shutil.rmtree(trash, ignore_errors=True)
+        gone.append(f"{name}@{v}")
+    return gone

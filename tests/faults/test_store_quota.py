@@ -1,0 +1,129 @@
+"""Bounds of the communication store: the pure quota policy, exactly, and the store refusing a PUT
+over a bound with a clear error while every earlier key keeps its bytes and a refused PUT leaves none
+behind."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from streambox.api_proxy.executor import StreamPoolAllocator
+from streambox.comm import CommStore, StoreConfig
+from streambox.comm.quota import (
+    QuotaExceeded,
+    StoreQuota,
+    Usage,
+    check_put,
+    check_ttl,
+    host_allows,
+)
+from streambox.device.emulated import EmulatedBackend
+from streambox.device.specs import V100_16GB, MiB
+
+SPEC = V100_16GB.with_overrides(
+    name="quota-gpu", total_memory=16 * MiB, context_create_s=0.0, context_memory=0
+)
+
+
+def test_ttl_ceiling_and_bad_ttls():
+    q = StoreQuota(max_ttl_s=60.0)
+    check_ttl(q, "k", None)
+    check_ttl(q, "k", 60.0)
+    with pytest.raises(QuotaExceeded, match=r"PUT 'k': ttl 1e\+300 s is above the store's ceiling of 60 s"):
+        check_ttl(q, "k", 1e300)
+    for bad in (0, -1.0, math.nan, math.inf, "5"):
+        with pytest.raises(ValueError, match="ttl must be a finite number of seconds > 0 or None"):
+            check_ttl(q, "k", bad)
+    check_ttl(StoreQuota(max_ttl_s=None), "k", 1e300)  # lifted: large, but finite, is fine
+
+
+def test_bytes_and_keys_bounds_are_inclusive():
+    q = StoreQuota(max_bytes=100, max_keys=2)
+    check_put(q, "k", 10, Usage(bytes=100, keys=2, host_bytes=0))
+    with pytest.raises(QuotaExceeded, match="to 101 bytes, above its quota of 100 bytes"):
+        check_put(q, "k", 11, Usage(bytes=101, keys=2, host_bytes=0))
+    with pytest.raises(QuotaExceeded, match="holds 2 keys, at most 2 allowed"):
+        check_put(q, "k", 1, Usage(bytes=1, keys=3, host_bytes=0))
+    check_put(StoreQuota(max_bytes=None, max_keys=None), "k", 1 << 40, Usage(1 << 40, 10**9, 0))
+
+
+def test_host_tier_cap():
+    q = StoreQuota(max_host_bytes=10)
+    assert host_allows(q, 4, 6) and not host_allows(q, 5, 6)
+    assert host_allows(StoreQuota(max_host_bytes=None), 1 << 50, 1 << 50)
+
+
+def test_quota_rejects_bad_settings():
+    with pytest.raises(ValueError, match="max_bytes"):
+        StoreQuota(max_bytes=-1)
+    with pytest.raises(ValueError, match="max_ttl_s"):
+        StoreQuota(max_ttl_s=math.inf)
+
+
+@pytest.fixture
+def store_of(tmp_path):
+    backend = EmulatedBackend(spec=SPEC, state_dir=tmp_path / "state")
+    runtime = backend.open_runtime(0)
+    allocator = StreamPoolAllocator(runtime)
+    stores = []
+
+    def make(quota: StoreQuota) -> CommStore:
+        config = StoreConfig(capacity_fraction=1.0, adaptive_movement=False, quota=quota)
+        store = CommStore({0: runtime}, {0: allocator}, idle={0: 16 * MiB}, config=config)
+        stores.append(store)
+        return store
+
+    yield make, allocator
+    for store in stores:
+        store.close()
+    s = runtime.create_stream()
+    s.synchronize()
+    s.destroy()
+    deadline = time.monotonic() + 2
+    while allocator.pool.used_bytes and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert allocator.pool.used_bytes == 0  # refused PUTs left nothing behind
+    runtime.close()
+    backend.close()
+
+
+def _mib(n: float) -> torch.Tensor:
+    return torch.zeros(int(n * MiB), dtype=torch.uint8)
+
+
+def test_a_store_over_its_quota_refuses_the_put_and_keeps_the_rest(store_of):
+    make, _ = store_of
+    store = make(StoreQuota(max_bytes=3 * MiB, max_keys=3, max_ttl_s=600.0))
+    store.put("a", _mib(1))
+    store.put("b", _mib(1))
+    with pytest.raises(
+        QuotaExceeded, match=r"PUT 'c': 2097152 bytes would bring .* above its quota of 3145728"
+    ):
+        store.put("c", _mib(2))
+    assert store.keys() == ["a", "b"] and sum(store.usage().values()) == 2 * MiB
+    store.put("c", _mib(0.5))
+    with pytest.raises(QuotaExceeded, match="holds 3 keys, at most 3 allowed"):
+        store.put("d", _mib(0.01))
+    store.put("a", _mib(1), overwrite=True)  # replacing a key is not a new key
+    with pytest.raises(QuotaExceeded, match="ttl 1e\\+300 s"):
+        store.put("e", _mib(0.01), ttl=1e300)
+    store.delete("c")
+    store.put("d", _mib(0.5))
+    assert store.keys() == ["a", "b", "d"]
+
+
+def test_host_tier_cap_keeps_data_on_the_gpu_and_refuses_what_has_no_room(store_of):
+    make, _ = store_of
+    # A 16 MiB GPU: 12 MiB fit on it; the host tier takes 2 MiB more, then PUTs fail clearly.
+    store = make(StoreQuota(max_bytes=None, max_host_bytes=2 * MiB))
+    for i in range(6):
+        store.put(f"k{i}", _mib(2))
+    usage = store.usage()
+    assert usage[-1] <= 2 * MiB
+    with pytest.raises(QuotaExceeded, match="the host tier holds"):
+        for i in range(6, 12):
+            store.put(f"k{i}", _mib(2))
+    assert store.usage()[-1] <= 2 * MiB

@@ -1,0 +1,169 @@
+"""Registering models from outside the zoo: a factory, a .pt2 file, versions, and the all-or-nothing
+failure of a model the lowering cannot express."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from streambox.kernel_compiler import registry
+from streambox.kernel_compiler.model_pool import ModelPool, unknown_model
+from streambox.kernel_compiler.reference import plan_outputs
+
+FACTORY = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.bn = nn.BatchNorm2d(8)
+            self.head = nn.Linear(8, 5)
+
+        def forward(self, x):
+            y = torch.relu(self.bn(self.conv(x)))
+            return self.head(y.mean(dim=(2, 3))).softmax(dim=-1)
+
+    def build():
+        torch.manual_seed(7)
+        return Net(), (3, 12, 12)
+
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda x: x + 1, lambda x: x - 1, (x,))
+
+    class Itemy(nn.Module):
+        def forward(self, x):
+            return x * x.max().item()
+    """
+)
+
+
+@pytest.fixture
+def factory_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    name = f"user_models_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = __import__(name)
+    yield module
+    sys.modules.pop(name, None)
+
+
+def _eager(module) -> torch.nn.Module:
+    net, _ = module.build()
+    return net.eval()
+
+
+def test_factory_model_is_lowered_checked_and_stored_at_each_batch(tmp_path, factory_module):
+    root = tmp_path / "pool"
+    record = registry.register(root, "net", factory=f"{factory_module.__name__}:build", batches=[2, 1])
+    assert record.ref == "net@1" and record.source_kind == "factory"
+    assert record.input_shape == [3, 12, 12] and [b.batch for b in record.batches] == [1, 2]
+    assert all(b.max_abs_diff <= 1e-5 and b.modelled_s > 0 and b.peak_live_bytes > 0 for b in record.batches)
+    assert record.weight_bytes > 0 and len(record.source_sha256) == 64
+
+    pool = ModelPool(root)
+    entry = pool.entry("net")
+    assert entry.name == "net@1" and entry.input_shape == (3, 12, 12)
+    plan = pool.get("net", 2)
+    assert plan is not None and plan.model == "net@1"
+    x = torch.rand(2, 3, 12, 12)
+    with torch.no_grad():
+        want = _eager(factory_module)(x)
+    torch.testing.assert_close(plan_outputs(plan, [x])[0], want)
+    # A batch it was not registered with is lowered on first use, from the stored weights.
+    three = pool.get_or_lower("net@1", 3)
+    assert three.batch == 3 and (root / "net@1" / "b3_3x12x12" / "plan.json").exists()
+    checked = registry.verify(root, "net")
+    assert [b for b, _ in checked] == [1, 2, 3] and all(d <= 1e-5 for _, d in checked)
+
+
+def test_factory_weights_file_is_loaded_and_a_mismatch_names_the_file(tmp_path, factory_module):
+    root = tmp_path / "pool"
+    trained = _eager(factory_module)
+    with torch.no_grad():
+        trained.head.bias.fill_(3.0)
+    weights = tmp_path / "net.safetensors"
+    save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(weights))
+    registry.register(root, "net", factory=f"{factory_module.__name__}:build", weights=weights)
+    loaded = registry.load_module(root, registry.find(root, "net"))
+    assert torch.equal(loaded.head.bias, torch.full((5,), 3.0))
+
+    bad = tmp_path / "bad.pt"
+    torch.save({"head.weight": torch.zeros(2, 2)}, bad)
+    with pytest.raises(registry.ModelRegistrationError, match=r"bad\.pt: does not fit"):
+        registry.register(root, "net", factory=f"{factory_module.__name__}:build", weights=bad)
+    assert [r.ref for r in registry.registered(root)] == ["net@1"]
+
+
+def test_pt2_versions_latest_and_pinned(tmp_path, factory_module):
+    root = tmp_path / "pool"
+    net = _eager(factory_module)
+    static = tmp_path / "net1.pt2"
+    torch.export.save(torch.export.export(net, (torch.rand(1, 3, 12, 12),)), static)
+    first = registry.register(root, "face", pt2=static)
+    assert first.ref == "face@1" and first.input_shape == [3, 12, 12]
+
+    with pytest.raises(registry.ModelRegistrationError, match=r"net1\.pt2: was exported for batch 1 only"):
+        registry.register(root, "face", pt2=static, batches=[1, 4])
+
+    dynamic = tmp_path / "net_dyn.pt2"
+    batch = torch.export.Dim("batch")
+    ep = torch.export.export(net, (torch.rand(2, 3, 12, 12),), dynamic_shapes={"x": {0: batch}})
+    torch.export.save(ep, dynamic)
+    second = registry.register(root, "face", pt2=dynamic, batches=[1, 4])
+    assert second.ref == "face@2"
+
+    pool = ModelPool(root)
+    assert pool.entry("face").name == "face@2" and pool.entry("face@1").name == "face@1"
+    x = torch.rand(4, 3, 12, 12)
+    with torch.no_grad():
+        want = net(x)
+    torch.testing.assert_close(plan_outputs(pool.get_or_lower("face", 4), [x])[0], want)
+    assert "face@1" in unknown_model("face@3", root) and unknown_model("face@1", root) is None
+
+    assert registry.remove(root, "face@2") == ["face@2"]
+    assert pool.entry("face").name == "face@1"
+    assert registry.remove(root, "face") == ["face@1"] and registry.registered(root) == []
+
+
+def test_unsupported_model_names_the_construct_and_leaves_nothing(tmp_path, factory_module):
+    root = tmp_path / "pool"
+    path = tmp_path / "branchy.pt2"
+    torch.export.save(torch.export.export(factory_module.Branchy(), (torch.rand(1, 4),)), path)
+    with pytest.raises(registry.UnsupportedModelError) as caught:
+        registry.register(root, "branchy", pt2=path)
+    message = str(caught.value)
+    assert str(path) in message and "node cond: control-flow op torch.cond" in message
+    assert "Supported: one tensor input" in message
+    assert list(root.iterdir()) == []
+    assert ModelPool(root).list() == [] and registry.registered(root) == []
+
+    path = tmp_path / "itemy.pt2"
+    torch.export.save(torch.export.export(factory_module.Itemy(), (torch.rand(1, 4),)), path)
+    with pytest.raises(registry.UnsupportedModelError, match=r"itemy\.pt2: .*aten\._local_scalar_dense"):
+        registry.register(root, "itemy", pt2=path)
+    assert list(root.iterdir()) == []
+
+
+def test_bad_names_and_sources_are_refused(tmp_path, factory_module):
+    root = tmp_path / "pool"
+    with pytest.raises(ValueError, match="zoo model"):
+        registry.register(root, "resnet18", factory=f"{factory_module.__name__}:build")
+    with pytest.raises(ValueError, match="without a version"):
+        registry.register(root, "net@2", factory=f"{factory_module.__name__}:build")
+    with pytest.raises(ValueError, match="must be lower-case"):
+        registry.parse_ref("Net")
+    with pytest.raises(registry.ModelRegistrationError, match="package.module:function"):
+        registry.register(root, "net", factory="no_colon")
+    with pytest.raises(registry.ModelRegistrationError, match="cannot import"):
+        registry.register(root, "net", factory="no_such_module_here:build")
+    with pytest.raises(registry.ModelRegistrationError, match="missing.pt2: no such file"):
+        registry.register(root, "net", pt2=tmp_path / "missing.pt2")

@@ -1,0 +1,165 @@
+"""Images as JPEG or PNG: decoding, request bodies (binary, multipart, base64 in JSON) and a bundled
+workflow served through the gateway from a PNG body."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from torchvision.io import encode_jpeg, encode_png
+
+from streambox.cli import main
+from streambox.workflows.engine import Engine
+from streambox.workflows.examples import load_example
+from streambox.workflows.examples.imaging import encode_image, synthetic_image
+from streambox.workflows.gateway import Gateway, GatewayServer
+from streambox.workflows.image_input import (
+    BodyError,
+    decode_image_field,
+    event_from_body,
+    image_field,
+)
+from streambox.workflows.validation import parse_spec
+
+
+def _image() -> np.ndarray:
+    return synthetic_image(3, 40, 56)
+
+
+def _png(image: np.ndarray) -> bytes:
+    return encode_png(torch.from_numpy(image).permute(2, 0, 1).contiguous()).numpy().tobytes()
+
+
+def test_png_jpeg_and_npy_decode_to_the_same_pixels():
+    image = _image()
+    want = torch.from_numpy(image).permute(2, 0, 1).float() / 255.0
+    assert torch.equal(decode_image_field(image_field(_png(image))), want)  # PNG is lossless
+    assert torch.equal(decode_image_field(encode_image(image)), want)
+    jpeg = encode_jpeg(torch.from_numpy(image).permute(2, 0, 1).contiguous(), quality=95).numpy().tobytes()
+    got = decode_image_field(image_field(jpeg))
+    assert got.shape == want.shape and float((got - want).abs().mean()) < 0.03  # lossy, but close
+
+
+def test_bad_images_say_what_is_accepted():
+    with pytest.raises(ValueError, match="not an image: expected JPEG, PNG or .npy"):
+        image_field(b"GIF89a...")
+    with pytest.raises(ValueError, match="'image' must be base64 text of JPEG, PNG or .npy"):
+        decode_image_field(7)
+    with pytest.raises(ValueError, match="'image' is not base64 text"):
+        decode_image_field("not base64!")
+    with pytest.raises(ValueError, match="'image': a corrupt PNG image"):
+        decode_image_field(base64.b64encode(_png(_image())[:40]).decode())
+
+
+def test_request_bodies_become_events():
+    png = _png(_image())
+    assert event_from_body("image/png", png) == {"image": base64.b64encode(png).decode()}
+    assert event_from_body("application/json", b'{"a": 1}') == {"a": 1}
+    with pytest.raises(BodyError, match="declared image/jpeg but is not a JPEG or PNG"):
+        event_from_body("image/jpeg", b"hello")
+    with pytest.raises(BodyError, match="the body is not JSON"):
+        event_from_body("text/plain", b"hello")
+    with pytest.raises(BodyError, match="must be a JSON object"):
+        event_from_body("application/json", b"[1]")
+
+    form = aiohttp.FormData()
+    form.add_field("event", json.dumps({"return_image": True, "note": "x"}))
+    form.add_field("photo", png, filename="cat.png", content_type="image/png")
+    form.add_field("caption", "a cat")
+    payload = form()
+    body = b"".join(_chunks(payload))
+    event = event_from_body(payload.content_type, body)
+    assert event == {
+        "return_image": True,
+        "note": "x",
+        "photo": base64.b64encode(png).decode(),
+        "caption": "a cat",
+    }
+
+
+def _chunks(payload) -> list[bytes]:
+    class Sink:
+        def __init__(self) -> None:
+            self.parts: list[bytes] = []
+
+        async def write(self, data: bytes) -> None:
+            self.parts.append(bytes(data))
+
+    import asyncio
+
+    sink = Sink()
+    asyncio.run(payload.write(sink))
+    return sink.parts
+
+
+def test_a_bundled_workflow_takes_a_png_body_and_a_multipart_upload(make_invoker, run):
+    image = _image()
+    png = _png(image)
+
+    async def go():
+        engine = Engine(make_invoker())
+        await engine.deploy(load_example("image-processing", small=True))
+        server = GatewayServer(Gateway(engine))
+        await server.start()
+        url = f"{server.url}/workflows/image-processing/invoke"
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url, json={"image": encode_image(image)}) as r:
+                    as_npy = (r.status, await r.json())
+                async with session.post(url, data=png, headers={"Content-Type": "image/png"}) as r:
+                    as_png = (r.status, await r.json())
+                form = aiohttp.FormData()
+                form.add_field("image", png, filename="street.png", content_type="image/png")
+                async with session.post(url, data=form) as r:
+                    as_form = (r.status, await r.json())
+                async with session.post(url, data=b"GIF89a", headers={"Content-Type": "image/png"}) as r:
+                    refused = (r.status, await r.json())
+        finally:
+            await server.stop()
+            await engine.close()
+        return as_npy, as_png, as_form, refused
+
+    as_npy, as_png, as_form, refused = run(go())
+    assert as_npy[0] == as_png[0] == as_form[0] == 200, (as_png, as_form)
+    assert as_png[1]["output"] == as_npy[1]["output"] == as_form[1]["output"]
+    assert refused[0] == 400 and "not a JPEG or PNG" in refused[1]["error"]
+
+
+def test_invoke_command_sends_an_image_file(tmp_path, make_invoker, run, capsys, monkeypatch):
+    (tmp_path / "image_handlers.py").write_text(
+        "from streambox.workflows.image_input import decode_image_field\n"
+        "def size(ctx, event):\n"
+        "    return {'shape': list(decode_image_field(event['image']).shape), 'tag': event.get('tag')}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = parse_spec("name: sizes\nslo_ms: 50\nfunctions:\n  size: {handler: image_handlers:size}\n")
+    photo, event = tmp_path / "photo.png", tmp_path / "event.json"
+    photo.write_bytes(_png(_image()))
+    event.write_text(json.dumps({"tag": "mine"}))
+
+    async def go():
+        engine = Engine(make_invoker())
+        await engine.deploy(spec)
+        server = GatewayServer(Gateway(engine))
+        await server.start()
+        try:  # the command runs its own event loop: give it a thread
+            sent = await asyncio.to_thread(
+                main, ["invoke", "sizes", "--image", str(photo), "--input", str(event), "--url", server.url]
+            )
+            refused = await asyncio.to_thread(
+                main, ["invoke", "sizes", "--image", str(event), "--url", server.url]
+            )
+        finally:
+            await server.stop()
+            await engine.close()
+        return sent, refused
+
+    sent, refused = run(go())
+    out, err = capsys.readouterr()
+    assert sent == 0 and json.loads(out)["output"] == {"shape": [3, 40, 56], "tag": "mine"}
+    assert refused == 2 and "not an image: expected JPEG, PNG or .npy" in err

@@ -1,0 +1,103 @@
+"""Models registered from outside the zoo (a factory and a .pt2 file) served in a workflow on the API
+proxy (emulated device, functional mode): the outputs equal eager torch's."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+import torch
+
+from streambox.config import Config
+from streambox.kernel_compiler import registry
+from streambox.workflows import Engine, parse_spec
+from streambox.workflows.proxy_invoker import ProxyInvoker
+
+MODELS = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def build():
+        torch.manual_seed(11)
+        net = nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4),
+        )
+        return net, (3, 10, 10)
+
+    def build_other():
+        torch.manual_seed(12)
+        return nn.Sequential(nn.Flatten(), nn.Linear(300, 3), nn.Tanh()), (3, 10, 10)
+    """
+)
+
+HANDLERS = textwrap.dedent(
+    """
+    import torch
+    import streambox
+
+    @streambox.function(models=["net", "other@1"])
+    def classify(ctx, event):
+        x = torch.tensor(event["x"], dtype=torch.float32)
+        (a,) = ctx.infer("net", x)
+        (b,) = ctx.infer("other@1", x)
+        return {"net": ctx.download(a).tolist(), "other": ctx.download(b).tolist()}
+    """
+)
+
+SPEC = textwrap.dedent(
+    """
+    name: byom
+    slo_ms: 5000
+    functions:
+      classify: {handler: "byom_handlers:classify"}
+    """
+)
+
+
+def test_registered_factory_and_pt2_models_run_on_the_proxy_like_eager_torch(tmp_path, monkeypatch):
+    pool = tmp_path / "pool"
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(pool))
+    (tmp_path / "byom_models.py").write_text(MODELS)
+    (tmp_path / "byom_handlers.py").write_text(HANDLERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import byom_models
+
+    registry.register(pool, "net", factory="byom_models:build")
+    other, _ = byom_models.build_other()
+    exported = tmp_path / "other.pt2"
+    torch.export.save(torch.export.export(other.eval(), (torch.rand(1, 3, 10, 10),)), exported)
+    registry.register(pool, "other", pt2=exported)
+
+    x = torch.rand(1, 3, 10, 10, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        net, _ = byom_models.build()
+        want_net, want_other = net.eval()(x), other(x)
+
+    spec = parse_spec(SPEC, "byom.yaml", base_dir=tmp_path)
+    assert spec.functions["classify"].models == ["net", "other@1"]  # from the decorator
+    config = Config.from_env().with_overrides(state_dir=tmp_path / "state")
+    assert config.model_pool == pool
+
+    async def scenario() -> dict:
+        engine = Engine(ProxyInvoker(config, proxy_options={"prefork": 1}))
+        try:
+            await engine.deploy(spec)
+            result = await engine.run("byom", {"x": x.tolist()})
+            assert result.ok, result.error
+            return result.output
+        finally:
+            await engine.close()
+
+    output = asyncio.run(scenario())
+    torch.testing.assert_close(torch.tensor(output["net"]), want_net)
+    torch.testing.assert_close(torch.tensor(output["other"]), want_other)
+
+
+def test_a_workflow_naming_an_unregistered_model_is_refused_with_the_known_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path / "pool"))
+    text = SPEC.replace('{handler: "byom_handlers:classify"}', '{handler: "h:f", models: [ghost]}')
+    with pytest.raises(ValueError, match=r"unknown model 'ghost'; known models: .*resnet18"):
+        parse_spec(text, "byom.yaml", base_dir=tmp_path, check_handlers=False)

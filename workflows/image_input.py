@@ -1,0 +1,156 @@
+"""Images as people have them: JPEG or PNG bytes, beside the base64 `.npy` arrays of the examples.
+
+Request bodies (the gateway):
+
+- ``application/json`` (or no type): the event itself, as before; an image inside it is base64 text
+  of JPEG, PNG or `.npy` bytes;
+- ``image/jpeg`` or ``image/png``: the bytes are the image; the event is ``{"image": <base64>}``;
+- ``multipart/form-data``: a file part becomes base64 text under its field name, a text field a
+  string, and a field named ``event`` holding a JSON object is the event the others are added to.
+
+The gateway never decodes pixels (it needs no torch for that): the handler does, with
+``decode_image_field``, through ``torchvision.io`` for JPEG and PNG.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import email.parser
+import email.policy
+import io
+import json
+from typing import Any
+
+IMAGE_CONTENT_TYPES = ("image/jpeg", "image/png")
+_MAGIC = {b"\xff\xd8\xff": "jpeg", b"\x89PNG\r\n\x1a\n": "png", b"\x93NUMPY": "npy"}
+_FORMATS = "base64 text of JPEG, PNG or .npy (uint8 [H, W, 3]) bytes"
+
+
+class BodyError(ValueError):
+    """A request body that is not an event; the message says what is accepted."""
+
+
+def image_format(data: bytes) -> str | None:
+    """``"jpeg"``, ``"png"`` or ``"npy"`` from the first bytes, or None."""
+    return next((fmt for magic, fmt in _MAGIC.items() if data.startswith(magic)), None)
+
+
+def image_field(data: bytes) -> str:
+    """Image file bytes as the base64 text an event carries; refuses what is not JPEG, PNG or .npy."""
+    if image_format(data) is None:
+        raise ValueError(f"not an image: expected JPEG, PNG or .npy bytes, got {data[:8]!r}...")
+    return base64.b64encode(data).decode("ascii")
+
+
+def decode_image_bytes(data: bytes):  # -> torch.Tensor (torch imported here, not by the gateway)
+    """JPEG, PNG or `.npy` bytes as a float tensor ``[3, H, W]`` in [0, 1] (RGB)."""
+    import numpy as np
+    import torch
+    from torchvision.io import ImageReadMode, decode_image
+
+    fmt = image_format(data)
+    if fmt in ("jpeg", "png"):
+        try:
+            pixels = decode_image(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB
+            )
+        except RuntimeError as error:
+            raise ValueError(f"a corrupt {fmt.upper()} image: {error}") from None
+        return pixels.float().div_(255.0)
+    if fmt != "npy":
+        raise ValueError(f"an image must be {_FORMATS}; these bytes start {data[:8]!r}")
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"a corrupt .npy array: {error}") from None
+    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3 or min(array.shape[:2]) < 1:
+        raise ValueError(
+            f"a .npy image must be a uint8 array [H, W, 3], got {array.dtype} {list(array.shape)}"
+        )
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
+
+
+def decode_image_field(value: object, field: str = "image"):  # -> torch.Tensor
+    """The event's ``field`` (base64 text of image bytes) as a float tensor ``[3, H, W]`` in [0, 1]."""
+    if not isinstance(value, str):
+        raise ValueError(f"{field!r} must be {_FORMATS}, got {type(value).__name__}")
+    try:
+        data = base64.b64decode(value, validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"{field!r} is not base64 text: {error}") from None
+    try:
+        return decode_image_bytes(data)
+    except ValueError as error:
+        raise ValueError(f"{field!r}: {error}") from None
+
+
+MAX_JSON_DEPTH = 64  # nesting of an event's objects and lists
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and lists nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def load_event_json(data: bytes, what: str) -> dict[str, Any]:
+    """A JSON object nested at most `MAX_JSON_DEPTH` deep (deeper is refused before it can exhaust
+    the parser's recursion); `BodyError` naming `what` otherwise."""
+    too_deep = f"{what} nests objects or lists more than {MAX_JSON_DEPTH} levels deep"
+    try:
+        event = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise BodyError(
+            f"{what} is not JSON: {error} (send a JSON event, an image/jpeg or image/png body, "
+            "or multipart/form-data)"
+        ) from None
+    except RecursionError:
+        raise BodyError(too_deep) from None
+    if json_depth(event) > MAX_JSON_DEPTH:
+        raise BodyError(too_deep)
+    if not isinstance(event, dict):
+        raise BodyError(f"{what} must be a JSON object (the event), got {type(event).__name__}")
+    return event
+
+
+def event_from_body(content_type: str, body: bytes) -> dict[str, Any]:
+    """The event a request body carries (see the module docstring); ``BodyError`` if none."""
+    kind = content_type.split(";")[0].strip().lower()
+    if kind in IMAGE_CONTENT_TYPES:
+        if image_format(body) not in ("jpeg", "png"):
+            raise BodyError(f"the body is declared {kind} but is not a JPEG or PNG image")
+        return {"image": base64.b64encode(body).decode("ascii")}
+    if kind == "multipart/form-data":
+        return _multipart_event(content_type, body)
+    return load_event_json(body, "the body")
+
+
+def _multipart_event(content_type: str, body: bytes) -> dict[str, Any]:
+    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
+    if not message.is_multipart():
+        raise BodyError("the multipart/form-data body has no parts (is the boundary right?)")
+    event: dict[str, Any] = {}
+    fields: dict[str, Any] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not name:
+            raise BodyError("a multipart part has no name (Content-Disposition: form-data; name=...)")
+        data = part.get_payload(decode=True) or b""
+        if part.get_filename() or part.get_content_type() in IMAGE_CONTENT_TYPES:
+            if image_format(data) is None:
+                raise BodyError(f"the file in part {name!r} is not a JPEG, PNG or .npy image")
+            fields[name] = base64.b64encode(data).decode("ascii")
+        elif name == "event":
+            event = load_event_json(data, "the 'event' part")
+        else:
+            fields[name] = data.decode("utf-8", errors="replace")
+    return {**event, **fields}
