@@ -9,8 +9,8 @@ View kernels do no device work: 0 s.
 `device_profile(model_pool, plan, device_name)` is the offline profile a proxy deploys with: the
 plan's memory per kernel, and per kernel the time `KernelPlan.kernel_seconds(preset)` gives for the
 preset modelling that device (GPU-measured times where a calibration exists, else the cost model),
-cached beside the plan in the model pool; a profile measured on that very device is kept as it is.
-It raises `NoProfile` naming why when no preset models the device and nothing was measured there.
+cached beside the plan in the model pool. Where no preset models the device, a profile measured on
+it (`profile_on_device`) is used; without one, `NoProfile` says why.
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ def device_profile(model_pool: ModelPool, plan: KernelPlan, device_name: str) ->
     module doc); computed once per plan and device, then read from the model pool."""
     profile = model_pool.profile(plan.model, plan.batch, tuple(plan.input_shape))
     preset = preset_for_device(device_name)
-    if profile.runtime_s is not None and profile.runtime_source in (preset, measured_source(device_name)):
+    # A preset's times are what a timed device lasts (and a calibration's what the GPU measured);
+    # times measured on the device serve where no preset models it.
+    wanted = preset if preset is not None else measured_source(device_name)
+    if profile.runtime_s is not None and profile.runtime_source == wanted:
         return profile
     if preset is None:
         raise NoProfile(

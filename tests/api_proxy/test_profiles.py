@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 
 from streambox.api_proxy.device_tensor import upload_tensor
-from streambox.api_proxy.profiling import NoProfile, device_profile
+from streambox.api_proxy.profiling import NoProfile, device_profile, measured_source
 from streambox.api_proxy.proxy_memory import MemoryOptions, ProxyMemory
 from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import V100_16GB, GiB
@@ -49,6 +49,11 @@ def test_the_device_profile_has_the_plans_kernel_times_and_is_cached_in_the_mode
     assert other.runtime_source == "h100-80gb" and other.runtime_s != profile.runtime_s
     with pytest.raises(NoProfile, match="no cost-model preset models device 'Toaster 3000'"):
         device_profile(pool, plan, "Toaster 3000")
+    # ... unless its times were measured there.
+    stored = pool.profile(MODEL, 1, tuple(plan.input_shape))
+    stored.runtime_s, stored.runtime_source = [1e-3] * len(stored.kernels), measured_source("Toaster 3000")
+    pool.store_profile(stored)
+    assert device_profile(pool, plan, "Toaster 3000").runtime_s == stored.runtime_s
 
 
 def _run(memory: ProxyMemory, plan, runtime, times: int) -> None:
@@ -86,9 +91,9 @@ def test_the_scaler_runs_with_profiles_unless_they_are_off(profiles, pool, plan,
 
 def test_a_device_without_run_times_runs_unprofiled_and_says_why(pool, plan, runtime):
     options = MemoryOptions(mode=PoolMode.FM_RS, keep_alive_s=0.0, t_interval_s=0.004)
-    profile_for = partial(device_profile, pool, device_name="Toaster 3000")
+    profile_for = partial(device_profile, pool, device_name="Toaster 4000")
     with ProxyMemory(runtime, options, profile_for=profile_for) as memory:
         assert memory.ensure_profile(plan) is False
         _run(memory, plan, runtime, 1)
         stats = memory.profile_stats()
-    assert "Toaster 3000" in stats["unprofiled"][f"{MODEL}@1"] and stats["unprofiled_runs"] == 1
+    assert "Toaster 4000" in stats["unprofiled"][f"{MODEL}@1"] and stats["unprofiled_runs"] == 1
