@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 
 # The README's main job: a short trace replay of Traffic on the three systems, then the comparison.
 demo: $(STAMP)
-	$(VENV)/bin/streambox replay --workflow traffic --system streambox,stream-only,monolithic \
+	$(VENV)/bin/streambox replay --workflow traffic --system streambox,stream-only,infless \
 		--minutes 30 --minute-seconds 1 --scale 0.25 --slo-ms 3000 --out runs/demo --overwrite
 
 burst: $(STAMP)

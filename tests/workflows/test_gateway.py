@@ -237,7 +237,7 @@ def test_serve_and_invoke_commands(tmp_path, runtime, pool):
     )
     thread.start()
     try:
-        for _ in range(200):
+        for _ in range(1200):  # validation checks the handlers in a child process (imports torch)
             if ready or not thread.is_alive():
                 break
             threading.Event().wait(0.05)
