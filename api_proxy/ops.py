@@ -84,7 +84,8 @@ def op_infer(res: Resources, call: CallContext, model: str, inputs: list[Any]) -
         with (yield from res.weights(plan)):  # the weights may have gone while the uploads waited
             tensors = _checked_inputs(model, plan, given)
             if res.issuer is None:  # issued here, on the dispatcher
-                result = res.memory.infer(call.inst.key, plan, tensors, call.inst.stream)
+                cu_cap = res.cu_cap(call.inst.spec)  # the function's GPU share (PTB semantics)
+                result = res.memory.infer(call.inst.key, plan, tensors, call.inst.stream, cu_cap=cu_cap)
             else:
                 result = yield from _issue_off_dispatcher(res, call, model, plan, tensors)
             return _output_handles(res, call, model, plan, result)
@@ -97,7 +98,9 @@ def _issue_off_dispatcher(
     this instance is held meanwhile (its later calls keep their order). Errors are raised as they were."""
     inst = call.inst
     ticket = res.issuer.submit(  # type: ignore[union-attr]
-        lambda on_kernel: res.memory.infer(inst.key, plan, tensors, inst.stream, on_kernel=on_kernel),
+        lambda on_kernel: res.memory.infer(
+            inst.key, plan, tensors, inst.stream, cu_cap=res.cu_cap(inst.spec), on_kernel=on_kernel
+        ),
         res.memory.allocator.free_many,
         inst.stream,
     )

@@ -66,7 +66,8 @@ __all__ = [
 
 
 class FunctionSpec(SettingsModel):
-    """One function of a workflow: its handler (`module:function`) and the models it may run."""
+    """One function of a workflow: its handler (`module:function`) and the models it may run;
+    `gpu_percent` (None: the whole GPU) caps the compute units its kernels use (`api_proxy.partition`)."""
 
     name: str
     handler: str
@@ -74,6 +75,7 @@ class FunctionSpec(SettingsModel):
     batch: int = Field(1, ge=1)
     max_instances: int = Field(4, ge=1)
     timeout_s: float = Field(30.0, gt=0)
+    gpu_percent: int | None = Field(None, ge=1, le=100)
 
     def __init__(self, *args: Any, **values: Any) -> None:
         """Positional as the former dataclass: `FunctionSpec("name", "module:function", ...)`."""

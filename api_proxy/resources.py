@@ -32,6 +32,7 @@ from .device_tensor import DeviceTensor
 from .errors import IsolationError, UnknownHandle, UnknownModel
 from .handles import DTYPES, Handle, contiguous_strides
 from .issuer import Issuer
+from .partition import cu_cap_for
 from .proxy_config import FunctionSpec
 from .proxy_memory import ProxyMemory
 from .state import Instance, Invocation
@@ -77,6 +78,7 @@ class Resources:
         self.workflow, self.runtime, self.memory, self.io, self.store = workflow, runtime, memory, io, store
         self.model_pool = model_pool
         self.model_shapes = model_shapes
+        self.compute_units = runtime.properties().compute_units  # what a function's gpu_percent caps
         self._post = post  # runs a function on the dispatcher (from any thread)
         self.issuer = issuer  # issues plans off the dispatcher (None: on it)
         self.buffers = BufferTable()
@@ -94,6 +96,10 @@ class Resources:
             self.issuer.close()
         self._wait_pool.shutdown(wait=True, cancel_futures=True)
         self._lower_pool.shutdown(wait=False, cancel_futures=True)
+
+    def cu_cap(self, spec: FunctionSpec) -> int | None:
+        """The compute-unit cap of `spec`'s kernels: its `gpu_percent` of this device (None: all)."""
+        return cu_cap_for(spec.gpu_percent, self.compute_units)
 
     def record(self, stream: Stream) -> Event:
         event = self.runtime.create_event(timing=False)

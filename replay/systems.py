@@ -281,6 +281,9 @@ def _proxy_memory(invoker: Invoker) -> dict[str, float]:
         totals["pool_used_bytes"] += stats["pool"]["allocated_bytes"]
         totals["weights_bytes"] += stats.get("models_resident_bytes", 0)
         totals["instances"] += sum(f["instances"] for f in stats["functions"].values())
+        profiles = stats.get("profiles", {})  # fm+rs: runs Algorithm 1 saw with / without a profile
+        totals["profiled_runs"] = totals.get("profiled_runs", 0.0) + profiles.get("profiled_runs", 0)
+        totals["unprofiled_runs"] = totals.get("unprofiled_runs", 0.0) + profiles.get("unprofiled_runs", 0)
     return totals
 
 
