@@ -11,10 +11,10 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet -e '.[dev,compiler]'
 	touch $(STAMP)
 
-# The README's main job: a short trace replay of Traffic on the three systems, then the comparison.
+# The README's main job: a short timed trace replay of Traffic on three systems, then the comparison.
 demo: $(STAMP)
-	$(VENV)/bin/streambox replay --workflow traffic --system streambox,stream-only,monolithic \
-		--minutes 30 --minute-seconds 1 --scale 0.25 --slo-ms 3000 --out runs/demo --overwrite
+	$(VENV)/bin/streambox replay --workflow traffic --system streambox,stream-only,infless \
+		--minutes 30 --minute-seconds 1 --scale 0.25 --out runs/demo --overwrite
 
 burst: $(STAMP)
 	$(VENV)/bin/streambox burst traffic

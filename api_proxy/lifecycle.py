@@ -212,6 +212,7 @@ class Lifecycle:
             with contextlib.suppress(Exception):
                 gate.wait_all(inst.stream, timeout=self.STOP_GRACE_S)
         inst.gates.clear()
+        self._stop_issue(inst)
         self.calls.drop(inst)
         with contextlib.suppress(Exception):
             self.resources.memory.executor.release_instance(inst.key)
@@ -226,6 +227,20 @@ class Lifecycle:
         for start in self.scheduler.removed(inst.spec.name, inst.id, _now()):
             if not self.server._stop:
                 self._start_instance(start)
+
+    def _stop_issue(self, inst: Instance) -> None:
+        """A plan of the instance still being issued off the dispatcher stops at its next slice (the
+        executor hands back what it held); outputs of a run that finished unseen are freed."""
+        ticket, inst.issue = inst.issue, None
+        if ticket is None:
+            return
+        try:
+            done = ticket.cancel(self.STOP_GRACE_S)
+        except Exception:  # noqa: BLE001 - a stuck issue: its stream is retired only once idle
+            return
+        if done is not None:
+            addresses = [t.address for t in done.outputs.values()]
+            self.resources.memory.allocator.free_many(addresses, inst.stream)
 
     def retire_streams(self, timeout_s: float) -> None:
         """Destroy the streams of dropped instances once the pool holds no free pending on them:

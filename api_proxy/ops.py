@@ -22,11 +22,11 @@ from streambox.kernel_compiler.plan import KernelPlan
 
 from .device_tensor import DeviceTensor
 from .errors import KeyNotFound, ProxyError
-from .executor import ELEMENTS_PER_BLOCK
+from .executor import ELEMENTS_PER_BLOCK, RunResult
 from .handles import Handle, check_key
 from .resources import Resources, torch_dtype
 from .state import Instance, Invocation
-from .waits import Completion, KeyPut, Wait
+from .waits import Completion, KeyPut, Offload, Wait
 
 DEFAULT_GET_TIMEOUT_S = 10.0
 Op = Generator[Wait, Any, Any]
@@ -82,12 +82,40 @@ def op_infer(res: Resources, call: CallContext, model: str, inputs: list[Any]) -
         ]
         yield from res.uploads_issued(call.inst)
         with (yield from res.weights(plan)):  # the weights may have gone while the uploads waited
-            return _infer_run(res, call, model, plan, given)
+            tensors = _checked_inputs(model, plan, given)
+            if res.issuer is None:  # issued here, on the dispatcher
+                cu_cap = res.cu_cap(call.inst.spec)  # the function's GPU share (PTB semantics)
+                result = res.memory.infer(call.inst.key, plan, tensors, call.inst.stream, cu_cap=cu_cap)
+            else:
+                result = yield from _issue_off_dispatcher(res, call, model, plan, tensors)
+            return _output_handles(res, call, model, plan, result)
 
 
-def _infer_run(
-    res: Resources, call: CallContext, model: str, plan: KernelPlan, given: list[DeviceTensor]
-) -> list[Handle]:
+def _issue_off_dispatcher(
+    res: Resources, call: CallContext, model: str, plan: KernelPlan, tensors: dict[str, DeviceTensor]
+) -> Generator[Wait, Any, RunResult]:
+    """The plan issued by an issuer thread (`issuer.py`) while the dispatcher serves other instances;
+    this instance is held meanwhile (its later calls keep their order). Errors are raised as they were."""
+    inst = call.inst
+    ticket = res.issuer.submit(  # type: ignore[union-attr]
+        lambda on_kernel: res.memory.infer(
+            inst.key, plan, tensors, inst.stream, cu_cap=res.cu_cap(inst.spec), on_kernel=on_kernel
+        ),
+        res.memory.allocator.free_many,
+        inst.stream,
+    )
+    inst.issue = ticket
+    try:
+        ok, value = yield Offload(ticket.future, f"issuing {model!r}")
+    finally:
+        if inst.issue is ticket:
+            inst.issue = None
+    if not ok:
+        raise value
+    return value
+
+
+def _checked_inputs(model: str, plan: KernelPlan, given: list[DeviceTensor]) -> dict[str, DeviceTensor]:
     tensors: dict[str, DeviceTensor] = {}
     for name, t in zip(plan.inputs, given, strict=True):
         var = plan.variables[name]
@@ -97,7 +125,12 @@ def _infer_run(
                 f"{var.dtype}{list(var.shape)}, got {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
             )
         tensors[name] = t
-    result = res.memory.infer(call.inst.key, plan, tensors, call.inst.stream)
+    return tensors
+
+
+def _output_handles(
+    res: Resources, call: CallContext, model: str, plan: KernelPlan, result: RunResult
+) -> list[Handle]:
     handles = []
     for name in plan.outputs:
         out = result.outputs[name]

@@ -5,6 +5,12 @@ Algorithm 1 needs, per kernel, the bytes live while it runs (the kernel compiler
 around each kernel) on the configured device; `profile_on_device` measures them once (median of a
 few runs after a warm-up) and stores them in `MemoryProfile.runtime_s` through the model pool.
 View kernels do no device work: 0 s.
+
+`device_profile(model_pool, plan, device_name)` is the offline profile a proxy deploys with: the
+plan's memory per kernel, and per kernel the time `KernelPlan.kernel_seconds(preset)` gives for the
+preset modelling that device (GPU-measured times where a calibration exists, else the cost model),
+cached beside the plan in the model pool. Where no preset models the device, a profile measured on
+it (`profile_on_device`) is used; without one, `NoProfile` says why.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import statistics
 from collections.abc import Callable, Mapping
 
 from streambox.device import Runtime, Stream
+from streambox.kernel_compiler.cost_model import preset_for_device
 from streambox.kernel_compiler.memory_profile import MemoryProfile
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.plan import KernelPlan
@@ -22,7 +29,40 @@ from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig
 from .device_tensor import DeviceTensor, upload_tensor
 from .executor import DeviceModel, PlanExecutor, free_all, free_model, upload_model
 
-__all__ = ["measure_kernel_runtimes", "measure_plan_on_device", "profile_on_device"]
+__all__ = [
+    "NoProfile", "device_profile", "measure_kernel_runtimes", "measure_plan_on_device", "measured_source",
+    "profile_on_device",
+]
+
+
+class NoProfile(LookupError):
+    """No kernel run times can be had for a plan on a device (the message says why)."""
+
+
+def measured_source(device_name: str) -> str:
+    """`MemoryProfile.runtime_source` of times measured on the device called `device_name`."""
+    return f"measured:{device_name}"
+
+
+def device_profile(model_pool: ModelPool, plan: KernelPlan, device_name: str) -> MemoryProfile:
+    """`plan`'s memory profile with kernel run times for the device called `device_name` (see the
+    module doc); computed once per plan and device, then read from the model pool."""
+    profile = model_pool.profile(plan.model, plan.batch, tuple(plan.input_shape))
+    preset = preset_for_device(device_name)
+    # A preset's times are what a timed device lasts (and a calibration's what the GPU measured);
+    # times measured on the device serve where no preset models it.
+    wanted = preset if preset is not None else measured_source(device_name)
+    if profile.runtime_s is not None and profile.runtime_source == wanted:
+        return profile
+    if preset is None:
+        raise NoProfile(
+            f"no cost-model preset models device {device_name!r} and no run times were measured on it "
+            f"for {plan.model} (batch {plan.batch}); measure them with api_proxy.profiling.profile_on_device"
+        )
+    profile.runtime_s = plan.kernel_seconds(preset)
+    profile.runtime_source = preset
+    model_pool.store_profile(profile)
+    return profile
 
 
 def measure_kernel_runtimes(
@@ -91,5 +131,6 @@ def profile_on_device(
         return profile
     plan = model_pool.get_or_lower(model, batch, input_shape)
     profile.runtime_s = measure_plan_on_device(runtime, plan, repeats=repeats)
+    profile.runtime_source = measured_source(runtime.properties().name)
     model_pool.store_profile(profile)
     return profile

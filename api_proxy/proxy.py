@@ -35,6 +35,7 @@ import signal
 import sys
 import time
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 from types import GeneratorType
 from typing import Any
@@ -53,8 +54,10 @@ from .calls import Calls
 from .channel import make_server
 from .control import ControlGuard, ControlRefused
 from .errors import FunctionCrashed, ProxyError, encode_error
+from .issuer import Issuer
 from .lifecycle import Lifecycle
 from .ops import OPS, CallContext
+from .profiling import device_profile
 from .proxy_config import ProxyConfig
 from .proxy_memory import ProxyMemory, ReclaimingAllocator
 from .resources import Resources
@@ -102,7 +105,7 @@ class ProxyServer:
         self.dir = Path(cfg.directory) if cfg.directory else private_dir(f"sbx-{cfg.workflow[:16]}-")
         self.supervisor = Supervisor(cfg, self.dir)
         self.supervisor.spawn_template()  # before this process has any thread: a clean spawn
-        device = self._open_device()
+        self._open_device()
         self.transport = make_server(
             cfg.channel, self.dir, capacity=cfg.ring_bytes, spin_s=cfg.spin_us * 1e-6
         )
@@ -119,15 +122,20 @@ class ProxyServer:
             self.memory,
             self.io,
             self.store,
-            ModelPool(device.model_pool),
+            self.model_pool,
             model_shapes=cfg.model_shapes,
             post=self.calls.post,
+            issuer=(
+                Issuer(self.transport.wake, threads=cfg.issue_threads, slice_kernels=cfg.issue_slice)
+                if cfg.issue_threads
+                else None
+            ),
         )
         self.lifecycle = Lifecycle(self, self.stats)
         t = _now()
         for spec in cfg.functions:
-            for model in spec.models:
-                self.resources.load(model, spec.batch)
+            for model in spec.models:  # deploying: every model's weights and offline profile at hand
+                self.memory.ensure_profile(self.resources.load(model, spec.batch))
         self.resources.service.synchronize()
         self.timings["models_s"] = _now() - t
         self._open_control()
@@ -152,7 +160,12 @@ class ProxyServer:
             getattr(self.backend, "spec", None), "context_create_s", 0.0
         )
         self.io = IODaemon(self.runtime, cfg.daemon_config())
-        self.memory = ProxyMemory(self.runtime, cfg.memory_options(), daemon=self.io).start()
+        self.model_pool = ModelPool(device.model_pool)
+        # Algorithm 1's profiles: memory per kernel from the plan, time per kernel for this device.
+        profile_for = partial(device_profile, self.model_pool, device_name=self.runtime.properties().name)
+        self.memory = ProxyMemory(
+            self.runtime, cfg.memory_options(), profile_for=profile_for, daemon=self.io
+        ).start()
         # The store's capacity: a fraction of the idle memory the pool's demand model predicts over
         # the window. It allocates from the pool (it fences and retires its own streams' frees).
         store_idle = PoolIdleMemory(self.memory.pool, self.memory.board, self.memory.scaler)
@@ -210,6 +223,7 @@ class ProxyServer:
         last_busy = _now()
         next_timer = next_control = 0.0
         transport, calls, on_message = self.transport, self.calls, self._on_message
+        issuer = self.resources.issuer
         while not self._stop:
             n = transport.poll(on_message)
             if calls.polls:
@@ -226,8 +240,13 @@ class ProxyServer:
             if n:
                 last_busy = now
                 continue
+            if issuer is not None and issuer.waiting:  # nothing else to do: the issues go on a slice
+                issuer.grant()
             if calls.polls:  # sync-lite: query the events again after a short sleep (the GIL is free)
-                time.sleep(poll_s)
+                if issuer is not None:
+                    issuer.pause(poll_s)  # an issue asking for its next turn ends the pause
+                else:
+                    time.sleep(poll_s)
                 continue
             if now - last_busy < spin_s:
                 os.sched_yield()

@@ -66,7 +66,8 @@ __all__ = [
 
 
 class FunctionSpec(SettingsModel):
-    """One function of a workflow: its handler (`module:function`) and the models it may run."""
+    """One function of a workflow: its handler (`module:function`) and the models it may run;
+    `gpu_percent` (None: the whole GPU) caps the compute units its kernels use (`api_proxy.partition`)."""
 
     name: str
     handler: str
@@ -74,6 +75,7 @@ class FunctionSpec(SettingsModel):
     batch: int = Field(1, ge=1)
     max_instances: int = Field(4, ge=1)
     timeout_s: float = Field(30.0, gt=0)
+    gpu_percent: int | None = Field(None, ge=1, le=100)
 
     def __init__(self, *args: Any, **values: Any) -> None:
         """Positional as the former dataclass: `FunctionSpec("name", "module:function", ...)`."""
@@ -100,6 +102,10 @@ class ProxyConfig(Mechanisms, Tuning):
     spin_us: float = 200.0  # how long a waiting side spins before it sleeps on its doorbell
     poll_us: float = 200.0  # `poll` completion: the pause between two queries of pending events
     ring_bytes: int = Field(1 << 20, ge=1)
+    # Plans are issued by this many issuer threads, each waiting every `issue_slice` kernels for the
+    # dispatcher to have nothing else to do (api_proxy/issuer.py); 0: issued on the dispatcher.
+    issue_threads: int = Field(2, ge=0)
+    issue_slice: int = Field(8, ge=1)
     model_shapes: Literal["small", "full"] = Field(
         default_factory=env_factory("inputs", "model_shapes", default="small")
     )

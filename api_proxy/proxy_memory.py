@@ -15,6 +15,13 @@
 - a sweep thread (keep-alive expiry, collecting completed frees) and, for `recycler="thread"`, the
   background recycler.
 
+Profiles (fm+rs): Algorithm 1 and the store's idle-memory prediction need each model's offline
+profile (memory and time per kernel). `ensure_profile(plan)` asks `profile_for(plan)` once per model
+and batch (the proxy does so for every model it loads at deploy; `infer` for a plan met later); a
+plan it cannot profile, or every plan when `MemoryOptions.profiles` is off, runs *unprofiled*: the
+scaler counts what it holds as fixed bytes. `profile_stats()` counts profiled and unprofiled runs
+and gives each unprofiled plan's reason, which is also logged once.
+
 `infer(instance, plan, inputs, stream)` is one request of one function instance: acquire the model,
 run, release the model when the run is done. A run that finds its model's weights still being
 loaded through the daemon waits for them layer by layer (pipelined loading: kernel i waits only for
@@ -23,6 +30,7 @@ the weights it is the first to use).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +55,8 @@ from .executor import PlanExecutor, RunResult
 from .model_cache import ModelCache
 
 __all__ = ["MemoryOptions", "ProxyMemory", "ReclaimingAllocator"]
+
+log = logging.getLogger(__name__)
 
 #: Asked to give device bytes back to the pool (evict idle weights, move stored data off the GPU);
 #: returns the bytes it gave back.
@@ -94,6 +104,7 @@ class MemoryOptions:
     min_scaler_period_s: float = 5e-3
     headroom_bytes: int = 0
     sweep_period_s: float = 0.02
+    profiles: bool = True  # off: Algorithm 1 without profiles (an ablation: every function unprofiled)
 
 
 class ProxyMemory:
@@ -109,8 +120,12 @@ class ProxyMemory:
         per model and batch that `infer` meets without one (e.g. `ModelPool.profile`); `daemon`: the
         IO daemon the weights are loaded through (None: direct copies on the acquiring stream)."""
         self.options = options = options or MemoryOptions()
-        self.profile_for = profile_for
-        self._profiled: set[tuple[str, int]] = set()
+        self.profile_for = profile_for if options.profiles else None
+        self._asked: set[tuple[str, int]] = set()  # (model, batch) whose profile was looked for
+        self._profiled: set[tuple[str, int]] = set()  # ... and found
+        self.unprofiled: dict[tuple[str, int], str] = {}  # ... and not found: why
+        self.profiled_runs = 0
+        self.unprofiled_runs = 0
         self.mode = PoolMode.parse(options.mode) if isinstance(options.mode, str) else options.mode
         self.runtime = runtime
         self.pool = DeviceMemoryPool(runtime, options.pool)
@@ -134,7 +149,7 @@ class ProxyMemory:
                 headroom_bytes=options.headroom_bytes,
             )
             self.scaler = ResilientScaler(self.pool, self.board, config=config, period_s=self.timing.period_s)
-        for profile in profiles:
+        for profile in profiles if options.profiles else ():  # off: the scaler runs without any
             self.add_profile(profile)
         self._threads: list[PeriodicThread] = [
             PeriodicThread("streambox-pool-sweep", options.sweep_period_s, self._sweep)
@@ -151,14 +166,44 @@ class ProxyMemory:
         if self.scaler is not None:
             self.scaler.add_profile(profile if hasattr(profile, "key") else model_profile_from(profile))
 
-    def _ensure_profile(self, plan: KernelPlan) -> None:
+    def ensure_profile(self, plan: KernelPlan) -> bool:
+        """Look for `plan`'s profile once (fm+rs only: the other modes do not scale); True when the
+        scaler has it. Without one the plan runs unprofiled, logged once with the reason."""
         key = (plan.model, plan.batch)
-        if self.scaler is None or self.profile_for is None or key in self._profiled:
-            return
-        self._profiled.add(key)  # asked once; without run times the function counts as fixed bytes
-        profile = self.profile_for(plan)
-        if profile is not None and getattr(profile, "runtime_s", True) is not None:
-            self.add_profile(profile)
+        if self.scaler is None or key in self._asked or key in self._profiled:
+            return key in self._profiled
+        self._asked.add(key)
+        reason = self._find_profile(plan)
+        if reason is not None:
+            self.unprofiled[key] = reason
+            log.warning("%s (batch %d) runs unprofiled: %s", plan.model, plan.batch, reason)
+        return reason is None
+
+    def _find_profile(self, plan: KernelPlan) -> str | None:
+        """Add `plan`'s profile to the scaler; None, or why there is none."""
+        if not self.options.profiles:
+            return "profiles are off (memory.profiles=false)"
+        if self.profile_for is None:
+            return "this proxy memory was given no profile source (profile_for)"
+        try:
+            profile = self.profile_for(plan)
+        except (LookupError, OSError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if profile is None or getattr(profile, "runtime_s", True) is None:
+            return "its profile has no kernel run times"
+        self.add_profile(profile)
+        return None
+
+    def profile_stats(self) -> dict[str, Any]:
+        """Runs with and without a profile (fm+rs), the profiled plans, and why the others have none."""
+        return {
+            "used": self.scaler is not None,
+            "enabled": self.options.profiles,
+            "profiled": sorted(f"{m}@{b}" for m, b in self._profiled),
+            "unprofiled": {f"{m}@{b}": why for (m, b), why in sorted(self.unprofiled.items())},
+            "profiled_runs": self.profiled_runs,
+            "unprofiled_runs": self.unprofiled_runs,
+        }
 
     def _sweep(self) -> None:
         self.models.expire()
@@ -187,7 +232,11 @@ class ProxyMemory:
         **options: Any,
     ) -> RunResult:
         """One request of `instance`: shared weights in, the plan run, the weights released after it."""
-        self._ensure_profile(plan)
+        if self.scaler is not None:
+            if self.ensure_profile(plan):
+                self.profiled_runs += 1
+            else:
+                self.unprofiled_runs += 1
         model, loading = self.models.acquire_pipelined(plan, stream)
         if loading is not None:  # the weights are still arriving: wait per layer, then the caller's hook
             given = options.get("on_kernel")

@@ -31,6 +31,8 @@ from .buffers import BufferTable
 from .device_tensor import DeviceTensor
 from .errors import IsolationError, UnknownHandle, UnknownModel
 from .handles import DTYPES, Handle, contiguous_strides
+from .issuer import Issuer
+from .partition import cu_cap_for
 from .proxy_config import FunctionSpec
 from .proxy_memory import ProxyMemory
 from .state import Instance, Invocation
@@ -71,11 +73,14 @@ class Resources:
         *,
         model_shapes: str,
         post: Callable[[Callable[[], None]], None],
+        issuer: Issuer | None = None,
     ) -> None:
         self.workflow, self.runtime, self.memory, self.io, self.store = workflow, runtime, memory, io, store
         self.model_pool = model_pool
         self.model_shapes = model_shapes
+        self.compute_units = runtime.properties().compute_units  # what a function's gpu_percent caps
         self._post = post  # runs a function on the dispatcher (from any thread)
+        self.issuer = issuer  # issues plans off the dispatcher (None: on it)
         self.buffers = BufferTable()
         self.service = runtime.create_stream()  # frees of buffers that outlive their holders
         self.plans: dict[PlanKey, KernelPlan] = {}
@@ -87,8 +92,14 @@ class Resources:
 
     def close(self) -> None:
         self.closing = True  # waits for the daemon give up; a lowering in progress finishes unheard
+        if self.issuer is not None:
+            self.issuer.close()
         self._wait_pool.shutdown(wait=True, cancel_futures=True)
         self._lower_pool.shutdown(wait=False, cancel_futures=True)
+
+    def cu_cap(self, spec: FunctionSpec) -> int | None:
+        """The compute-unit cap of `spec`'s kernels: its `gpu_percent` of this device (None: all)."""
+        return cu_cap_for(spec.gpu_percent, self.compute_units)
 
     def record(self, stream: Stream) -> Event:
         event = self.runtime.create_event(timing=False)

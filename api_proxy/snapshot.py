@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from .partition import partitioning_of
+
 if TYPE_CHECKING:
     from .proxy import ProxyServer
 
@@ -43,6 +45,15 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
         "retiring_streams": server.lifecycle.retiring,
         "pool_tracked_streams": len(pool.tracked_streams()),
         "buffer_bytes": res.buffers.nbytes,
+        "partitioning": {  # GPU% per function: the cap its kernels run under, and who holds them to it
+            "mode": partitioning_of(server.runtime.properties().backend),
+            "functions": {
+                f.name: {"gpu_percent": f.gpu_percent, "cu_cap": res.cu_cap(f)}
+                for f in server.config.functions
+                if f.gpu_percent is not None
+            },
+        },
+        "profiles": server.memory.profile_stats(),  # Algorithm 1's inputs: which functions had them
         "models_resident_bytes": server.memory.models.resident_bytes,
         "models": {"loads": server.memory.models.loads, "evictions": server.memory.models.evictions},
         "io": asdict(server.io.stats),

@@ -48,6 +48,7 @@ class Instance:
     gates: list[Any] = field(default_factory=list)  # IO-daemon tickets the stream must wait on
     refill: bool = False  # it took a pre-forked spare: ask for a new one after its first request
     held: deque[Any] | None = None  # a call waits off the dispatcher: its later messages, in order
+    issue: Any = None  # the `issuer.IssueTicket` of its plan being issued off the dispatcher, if any
 
     @property
     def key(self) -> str:

@@ -13,7 +13,9 @@ outputs. Every device byte comes from the pool of the configuration under test:
   shrinks;
 - fm+rs: fm plus resilient scaling (Algorithm 1 every max(T_interval/2, --scaler-period));
 - fm+rs/thread-recycler: fm+rs with recycling on a background thread (the paper's recycler)
-  instead of at the kernel boundary, to choose between the two.
+  instead of at the kernel boundary, to choose between the two;
+- fm+rs/no-profiles: fm+rs with `MemoryOptions(profiles=False)`: Algorithm 1 without the offline
+  profiles (every function's bytes fixed), what each proxy ran before issue 13.
 
 Reported: time-averaged and peak device memory held by the pool; time-averaged exact demand (bytes
 requested by live allocations) and bytes in use (allocated blocks, frees the stream has not reached
@@ -72,11 +74,12 @@ MIX = [
     ("ssdlite320_mobilenet_v3", 1),
 ]
 
-CONFIGS = {
-    "static": ("static", "kernel"),
-    "fm": ("fm", "kernel"),
-    "fm+rs": ("fm+rs", "kernel"),
-    "fm+rs/thread-recycler": ("fm+rs", "thread"),
+CONFIGS = {  # name: (pool mode, recycler, Algorithm 1 given the models' profiles)
+    "static": ("static", "kernel", True),
+    "fm": ("fm", "kernel", True),
+    "fm+rs": ("fm+rs", "kernel", True),
+    "fm+rs/thread-recycler": ("fm+rs", "thread", True),
+    "fm+rs/no-profiles": ("fm+rs", "kernel", False),
 }
 
 
@@ -213,7 +216,7 @@ def run_config(
     weights: PinnedWeights,
 ) -> Outcome:
     """One run of the workload under one configuration, on a fresh runtime."""
-    mode, recycler = CONFIGS[name]
+    mode, recycler, use_profiles = CONFIGS[name]
     backend = EmulatedBackend(spec=SPEC, state_dir=state_dir, timeline=False)
     rt = backend.open_runtime(0)
     options = MemoryOptions(
@@ -221,6 +224,7 @@ def run_config(
         keep_alive_s=args.keep_alive,
         recycler=recycler,
         min_scaler_period_s=args.scaler_period,
+        profiles=use_profiles,
     )
     pm = ProxyMemory(rt, options, profiles=profiles)
     pm.models.copy = weights.copy
@@ -287,7 +291,7 @@ def interleaved_inference(
     bytes one run held at once, from the mapping table)."""
     setups = {}
     for name in configs:
-        mode, recycler = CONFIGS[name]
+        mode, recycler, use_profiles = CONFIGS[name]
         rt = EmulatedBackend(
             spec=SPEC, state_dir=state_dir / f"ab-{len(setups)}", timeline=False
         ).open_runtime(0)
@@ -296,6 +300,7 @@ def interleaved_inference(
             keep_alive_s=3600.0,
             recycler=recycler,
             min_scaler_period_s=scaler_period,
+            profiles=use_profiles,
         )
         pm = ProxyMemory(rt, options, profiles=profiles)
         pm.models.copy = weights.copy

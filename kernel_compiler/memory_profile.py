@@ -43,7 +43,8 @@ class MemoryProfile:
     """Per-kernel memory of one plan, plus the model's peaks.
 
     ``runtime_s`` is one entry per kernel (aligned with ``kernels``), filled in later from a device
-    backend's timings; None until then.
+    backend's timings; None until then. ``runtime_source`` says whose times they are: a cost-model
+    preset name (``v100-16gb``) or ``measured:<device name>``; None for times stored before it existed.
     """
 
     model: str
@@ -56,6 +57,7 @@ class MemoryProfile:
     peak_no_eager: int
     kernels: list[KernelMemory]
     runtime_s: list[float] | None = None
+    runtime_source: str | None = None
 
     def demand(self, eager: bool = True, weights: bool = True, inputs: bool = True) -> list[int]:
         """The demand time series, one point per kernel: live intermediates/outputs under the chosen

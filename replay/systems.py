@@ -1,14 +1,17 @@
-"""The systems under test: `streambox`, `stream-only` and `monolithic`, each running the real workflow.
+"""The systems under test (the paper's Table 2): `streambox`, `stream-only` and `infless` (formerly
+`monolithic`), each running the real workflow.
 
-All three run the same workflow (a shipped example such as Traffic, or a YAML file) through the same
+All run the same workflow (a shipped example such as Traffic, or a YAML file) through the same
 workflow engine on the same arrivals; only the invoker below the engine differs:
 
 - `streambox`: one API proxy process per workflow (`ProxyInvoker`): function instances forked from a
   warm template, one stream each; memory pool fm+rs, IO daemon, communication store in GPU memory.
 - `stream-only`: the same proxy with StreamBox's mechanisms off (static caching pool, FIFO copies):
   the paper's ablation preset. Runtime sharing is what is left.
-- `monolithic`: one process and one device runtime per function instance, its own model copy,
-  keep-alive, intermediate data through Redis (`workflows.monolithic.MonolithicInvoker`).
+- `infless`: one process and one device runtime per function instance, each an MPS client with a
+  share of the compute units (`gpu_percent`), its own model copy, pre-warmed, keep-alive,
+  intermediate data through Redis (`workflows.monolithic.MonolithicInvoker`). `monolithic` is its
+  old name, kept for one release with a deprecation line.
 
 Each request is a seeded synthetic input of the workflow (`workflows.examples.sample_event`), the
 same for every system. The trace decides when requests come, not what they compute.
@@ -18,7 +21,7 @@ Memory is read where nvidia-smi would read it: every run gets an emulated device
 contexts. Components (contexts, weights, other allocated data, cached pool bytes) come from what the
 proxies or instances report.
 
-Options (`--set KEY=VALUE`, or the same names as flags: `--pa off`), common to the three:
+Options (`--set KEY=VALUE`, or the same names as flags: `--pa off`), common to all:
   `inputs`       small | full: the zoo's small input shapes (default; what 2 CPU cores can replay in
                  minutes) or the YAML's realistic sizes. Weights are full size either way.
   `keep_alive_s` how long an idle instance stays warm. Default: the paper's 10 minutes in trace time,
@@ -26,16 +29,18 @@ Options (`--set KEY=VALUE`, or the same names as flags: `--pa off`), common to t
   `variants`     how many different synthetic inputs are cycled through (default 4).
   the device     `backend`, `device_preset`, `gpus`, `device_mode` (default `timed` here).
 Proxy systems also take the mechanisms (`pool_mode`, `io_daemon`, `rz`, `pb`, `bt`, `pa`, `am`,
-`recycler`, `weights_keep_alive_s`) and `completion`, `channel` (docs/api_proxy.md); `monolithic`
-takes `prewarm` (instances per function started before the run). config.json's `system_config`
-holds the resolved `settings` of the run.
+`recycler`, `weights_keep_alive_s`) and `completion`, `channel` (docs/api_proxy.md); `infless`
+takes `prewarm` (instances per function started at deploy, default 1) and `gpu_percent`.
+config.json's `system_config` holds the resolved `settings` of the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -276,6 +281,9 @@ def _proxy_memory(invoker: Invoker) -> dict[str, float]:
         totals["pool_used_bytes"] += stats["pool"]["allocated_bytes"]
         totals["weights_bytes"] += stats.get("models_resident_bytes", 0)
         totals["instances"] += sum(f["instances"] for f in stats["functions"].values())
+        profiles = stats.get("profiles", {})  # fm+rs: runs Algorithm 1 saw with / without a profile
+        totals["profiled_runs"] = totals.get("profiled_runs", 0.0) + profiles.get("profiled_runs", 0)
+        totals["unprofiled_runs"] = totals.get("unprofiled_runs", 0.0) + profiles.get("unprofiled_runs", 0)
     return totals
 
 
@@ -291,36 +299,44 @@ def make_stream_only_target(request: SystemRequest) -> WorkflowTarget:
     )
 
 
-# -- monolithic: a process and a runtime per instance ----------------------------------------------
+# -- infless (and its old name, monolithic): a process, a runtime and an MPS share per instance --------
 
 
 class MonolithicOptions(SettingsModel):
-    """`monolithic`'s own options (it has no proxy, so none of the mechanisms)."""
+    """`infless`'s own options (it has no proxy, so none of the mechanisms)."""
 
-    prewarm: int = Field(0, ge=0, description="instances per function started before the first request")
+    # The paper warms the baselines up ("the significant latency of cold start could cause all
+    # requests to time out", section 9), as the proxies load their models at deploy: one instance
+    # per function is up before the first request.
+    prewarm: int = Field(1, ge=0, description="instances per function started before the first request")
+    gpu_percent: int | None = Field(
+        None, ge=1, le=100, description="each instance's MPS share; default: 100 / the workflow's functions"
+    )
 
 
 def _monolithic_options(rest: Mapping[str, str]) -> MonolithicOptions:
     unknown = sorted(set(rest) - set(MonolithicOptions.model_fields))
     if unknown:
         known = (*MonolithicOptions.model_fields, *COMMON_OPTIONS, *DEVICE_FIELDS)
-        raise ValueError(f"monolithic: unknown options {unknown}; known: {', '.join(known)}")
-    return build(MonolithicOptions, "monolithic", **rest)
+        raise ValueError(f"infless: unknown options {unknown}; known: {', '.join(known)}")
+    return build(MonolithicOptions, "infless", **rest)
 
 
 def _monolithic_invoker(config: Config, options: WorkflowOptions, rest: dict[str, str]) -> Invoker:
     from streambox.workflows.monolithic import MonolithicInvoker
 
+    own = _monolithic_options(rest)
     return MonolithicInvoker(
         config,
         keep_alive_s=options.keep_alive_s,
-        prewarm=_monolithic_options(rest).prewarm,
+        prewarm=own.prewarm,
         model_shapes=options.inputs,
+        gpu_percent=own.gpu_percent,
     )
 
 
 def _monolithic_settings(options: WorkflowOptions, rest: dict[str, str]) -> dict[str, Any]:
-    return {"system": "monolithic", **_monolithic_options(rest).model_dump()}
+    return {"system": "infless", **_monolithic_options(rest).model_dump()}
 
 
 def _monolithic_memory(invoker: Invoker) -> dict[str, float]:
@@ -329,7 +345,24 @@ def _monolithic_memory(invoker: Invoker) -> dict[str, float]:
     return {k: float(v) for k, v in parts.items()}
 
 
+def make_infless_target(request: SystemRequest) -> WorkflowTarget:
+    return WorkflowTarget("infless", request, _monolithic_invoker, _monolithic_memory, _monolithic_settings)
+
+
+#: `monolithic` is `infless` under its old name, kept for one release.
+MONOLITHIC_DEPRECATED = (
+    "replay system 'monolithic' is deprecated: it is 'infless' now (the name goes next release)"
+)
+
+
+_warned: set[str] = set()  # the deprecation line once per process (options are checked before the run)
+
+
 def make_monolithic_target(request: SystemRequest) -> WorkflowTarget:
+    warnings.warn(MONOLITHIC_DEPRECATED, DeprecationWarning, stacklevel=2)
+    if "monolithic" not in _warned:
+        _warned.add("monolithic")
+        print(f"warning: {MONOLITHIC_DEPRECATED}", file=sys.stderr)
     return WorkflowTarget(
         "monolithic", request, _monolithic_invoker, _monolithic_memory, _monolithic_settings
     )

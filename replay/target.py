@@ -27,7 +27,7 @@ SAMPLE_KEYS = {
 COMPONENT_PREFIX = "memory."
 
 #: The systems the replay compares (registered below; see replay/systems.py).
-PLANNED_SYSTEMS = ("streambox", "stream-only", "monolithic")
+PLANNED_SYSTEMS = ("streambox", "stream-only", "infless", "astraea", "monolithic")
 
 
 @dataclass(frozen=True)
@@ -125,9 +125,7 @@ def resolve_system(name: str, request: SystemRequest | None = None) -> Target:
     """Build the Target for `name`, or raise UnknownSystem listing the known systems."""
     if name not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY)) or "(none)"
-        hint = (
-            f" ('{name}' is planned but not wired to a target yet)" if name in PLANNED_SYSTEMS else ""
-        )
+        hint = f" ('{name}' is planned but not wired to a target yet)" if name in PLANNED_SYSTEMS else ""
         raise UnknownSystem(f"unknown system {name!r}{hint}; known systems: {known}")
     request = request or SystemRequest(system=name, workflows=())
     return _load(_REGISTRY[name])(request)
@@ -152,8 +150,13 @@ register_system(
     "(static caching pool, FIFO copies)",
 )
 register_system(
+    "infless",
+    "streambox.replay.systems:make_infless_target",
+    "INFless (Table 2): one process and one runtime per function instance with an MPS share (GPU%), "
+    "its own model copy, pre-warmed, keep-alive, data between functions through Redis (Func-IPC)",
+)
+register_system(
     "monolithic",
     "streambox.replay.systems:make_monolithic_target",
-    "one process and one runtime per function instance, its own model copy, keep-alive, "
-    "data between functions through Redis (Func-IPC)",
+    "deprecated name of infless (kept for one release)",
 )

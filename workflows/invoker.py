@@ -62,6 +62,7 @@ class RuntimeStats:
     pool_reserved_bytes: int  # this workflow's memory pool: bytes taken from the device
     pool_used_bytes: int  # of which handed out (weights, activations, stored data)
     instances: Mapping[str, int] = field(default_factory=dict)  # live function instances per function
+    unprofiled_runs: int = 0  # model runs the pool's scaler saw without an offline profile (fm+rs)
 
 
 #: The callback the gateway polls on each scrape of `/metrics`.

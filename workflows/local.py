@@ -353,11 +353,13 @@ class LocalInvoker:
         system: str = "streambox",
         device: int = 0,
         keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+        gpu_percent: int | None = None,
     ) -> LocalInvoker:
-        """A local invoker on its own runtime of the configured backend (closed with the invoker)."""
+        """A local invoker on its own runtime of the configured backend (closed with the invoker);
+        `gpu_percent`: the runtime is an MPS client with that share of the compute units."""
         config = config or Config.from_env()
         backend = config.open_backend()
-        runtime = backend.open_runtime(device)
+        runtime = backend.open_runtime(device, gpu_percent=gpu_percent)
         return cls(
             runtime,
             ModelPool(config.model_pool),

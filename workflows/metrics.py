@@ -15,6 +15,7 @@ Runtime side, read at each scrape from the stats callback (`invoker.StatsSource`
 - ``streambox_device_memory_used_bytes{device}``, ``streambox_device_memory_total_bytes{device}``;
 - ``streambox_pool_reserved_bytes{workflow,device}``, ``streambox_pool_used_bytes{workflow,device}``;
 - ``streambox_function_instances{workflow,function}``;
+- ``streambox_unprofiled_runs{workflow}``: model runs the pool's scaler saw without an offline profile;
 - ``streambox_runtime_stats_up``: 0 when the callback failed (the other metrics are still served).
 """
 
@@ -66,6 +67,9 @@ class _RuntimeCollector(Collector):
         instances = GaugeMetricFamily(
             "streambox_function_instances", "Live function instances", labels=["workflow", "function"]
         )
+        unprofiled = GaugeMetricFamily(
+            "streambox_unprofiled_runs", "Model runs without an offline profile (fm+rs)", labels=["workflow"]
+        )
         up = GaugeMetricFamily("streambox_runtime_stats_up", "1 if the runtime stats were read")
         try:
             rows = list(self._stats())
@@ -82,11 +86,12 @@ class _RuntimeCollector(Collector):
             pool_used.add_metric([row.workflow, device], row.pool_used_bytes)
             for function, count in row.instances.items():
                 instances.add_metric([row.workflow, function], count)
+            unprofiled.add_metric([row.workflow], row.unprofiled_runs)
         for device, (u, t) in devices.items():
             used.add_metric([device], u)
             total.add_metric([device], t)
         up.add_metric([], 1)
-        yield from (used, total, reserved, pool_used, instances, up)
+        yield from (used, total, reserved, pool_used, instances, unprofiled, up)
 
 
 class GatewayMetrics:

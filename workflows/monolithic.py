@@ -7,6 +7,9 @@ against (INFless-like; paper section 2 and 9).
   `context_create_s` on the emulated device), uploads its function's models into its own memory
   (a copy per instance) and then serves one invocation at a time. Its allocator is a static caching
   pool, as PyTorch's: what it reserved stays reserved until the instance stops.
+- **An MPS share per instance** (INFless's GPU%): each instance opens its runtime with
+  `open_runtime(i, gpu_percent=P)`, `P` the invoker's `gpu_percent` or an equal share per function
+  of the workflow; the timed emulated device runs its kernels on that share of the compute units.
 - **Instances per function**: up to the spec's `max_instances`. A call takes the most recently used
   idle instance, else starts one (cold start), else waits for one to go idle
   (`api_proxy.keepalive.InstancePool`, the same policy the proxy uses). Idle instances stop after
@@ -177,6 +180,7 @@ class MonolithicInvoker:
         model_shapes: str | None = None,
         start_timeout_s: float = 300.0,
         redis_executable: str | None = None,
+        gpu_percent: int | None = None,
     ) -> None:
         if keep_alive_s < 0:
             raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
@@ -188,6 +192,9 @@ class MonolithicInvoker:
         self.model_shapes = model_shapes or os.environ.get("STREAMBOX_MODEL_SHAPES", "small")
         if self.model_shapes not in ("small", "full"):
             raise ValueError(f"model_shapes must be 'small' or 'full', got {self.model_shapes!r}")
+        if gpu_percent is not None and not 1 <= gpu_percent <= 100:
+            raise ValueError(f"gpu_percent must be from 1 to 100, got {gpu_percent}")
+        self.gpu_percent = gpu_percent
         self.start_timeout_s = start_timeout_s
         self.cold_starts = 0  # invocations that had to start their instance
         self.instance_starts = 0  # instances started, prewarmed ones included
@@ -225,9 +232,15 @@ class MonolithicInvoker:
             "backend": self.config.backend,
             "device_preset": self.config.device_preset,
             "gpus": self.config.gpus,
+            "gpu_percent": self.gpu_percent,
             "func_ipc": "redis",
             "redis_version": self.redis_version,
         }
+
+    def share(self, spec: WorkflowSpec) -> int:
+        """The MPS share (GPU%) each instance of `spec` opens its runtime with: the invoker's, else
+        an equal share per function of the workflow (INFless sizes GPU% per function)."""
+        return self.gpu_percent or max(1, 100 // len(spec.functions))
 
     # -- Invoker ---------------------------------------------------------------------------------
     async def deploy(self, spec: WorkflowSpec) -> None:
@@ -342,7 +355,7 @@ class MonolithicInvoker:
         """Summed over live instances, as they reported last (callable from any thread):
         `context_bytes` (one runtime each), `weights_bytes` (each instance's own model copies),
         `pool_reserved_bytes` / `pool_used_bytes` (their caching allocators), `instances`,
-        `busy_instances`."""
+        `busy_instances`, `mps_clients` (instances whose runtime holds an MPS share)."""
         with self._lock:
             reports = list(self._reports.items())
             busy = len(self._busy & self._reports.keys())
@@ -351,6 +364,7 @@ class MonolithicInvoker:
             for part in MEMORY_PARTS:
                 totals[part] += float(report.get(part, 0))
         totals["instances"] = float(len(reports))
+        totals["mps_clients"] = float(sum(1 for _, r in reports if r.get("gpu_percent")))
         totals["busy_instances"] = float(busy)
         return totals
 
@@ -431,10 +445,9 @@ class MonolithicInvoker:
                 ) from None
         instance_id = next(self._ids)
         fn.pool.add(instance_id, time.monotonic(), busy=True)
-        self.cold_starts += 1
         start = self._spawn(self._start(wf, fn, instance_id))
         try:
-            instance = await asyncio.wait_for(asyncio.shield(start), _left(deadline))
+            warm = await self._first_ready(fn, start, deadline)
         except (TimeoutError, asyncio.CancelledError) as error:
             # The start goes on: the instance joins the idle ones when it is up.
             start.add_done_callback(lambda t: self._release_started(fn, t))
@@ -443,8 +456,40 @@ class MonolithicInvoker:
             raise InvocationTimeout(
                 f"{fn.name}: the request's time ran out while its instance started"
             ) from None
+        if warm is not None:
+            # An instance went idle before ours was up: the call takes it, ours joins the idle ones.
+            start.add_done_callback(lambda t: self._release_started(fn, t))
+            self._set_busy(warm.id, True)
+            return warm, False
+        instance = start.result()
+        self.cold_starts += 1
         self._set_busy(instance.id, True)
         return instance, True
+
+    async def _first_ready(
+        self, fn: _Function, start: asyncio.Task[_Instance], deadline: float | None
+    ) -> _Instance | None:
+        """Wait for the call's own start or for another instance to go idle, whichever comes first:
+        the idle one (marked busy), or None once the start is done. A start takes seconds (a process,
+        `import torch`, its models); a warm instance freed meanwhile must not sit idle beside a
+        waiting call (the cause of a monolithic replay's requests outstanding until its drain)."""
+        while not start.done():
+            changed = asyncio.ensure_future(fn.changed.wait())
+            try:
+                await asyncio.wait(
+                    {start, changed}, timeout=_left(deadline), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                changed.cancel()
+            if start.done():
+                break
+            if changed.done() and not changed.cancelled():
+                decision = fn.pool.acquire(time.monotonic())
+                if decision.action == "warm":
+                    return fn.instances[decision.instance]  # type: ignore[index]
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError
+        return None
 
     def _release_started(self, fn: _Function, task: asyncio.Task[_Instance]) -> None:
         if not task.cancelled() and task.exception() is None:
@@ -474,6 +519,7 @@ class MonolithicInvoker:
             "model_shapes": self.model_shapes,
             "redis_port": self._redis.port,
             "redis_password_file": str(self._redis.password_file),  # the password is never on argv
+            "gpu_percent": self.share(spec),
         }
         ours, theirs = socket.socketpair()
         process: subprocess.Popen[bytes] | None = None

@@ -275,7 +275,10 @@ class Instance:
         self.function = args["function"]
         fn = spec.functions[self.function]
         handler = resolve_handler(fn.handler, base_dir)
-        self.invoker = LocalInvoker.open(config, system="stream-only", device=int(args["device"]))
+        self.gpu_percent: int | None = args.get("gpu_percent")
+        self.invoker = LocalInvoker.open(
+            config, system="stream-only", device=int(args["device"]), gpu_percent=self.gpu_percent
+        )
         try:
             self.runtime = self.invoker.runtime
             password = Path(args["redis_password_file"]).read_text()
@@ -297,6 +300,7 @@ class Instance:
         pool = self.wf.allocator.pool
         return {
             "device": self.runtime.index,
+            "gpu_percent": self.runtime.properties().extra.get("gpu_percent"),  # as the device enforces it
             "context_bytes": self.context_bytes,
             "weights_bytes": self.wf.model_bytes,
             "pool_reserved_bytes": pool.reserved_bytes,

@@ -44,6 +44,7 @@ def proxy_config_for(spec: WorkflowSpec, config: Config, system: str, **options:
             batch=fn.batch_size,
             max_instances=fn.max_instances,
             timeout_s=(fn.timeout_ms or spec.timeout_ms) / 1e3,
+            gpu_percent=fn.gpu_percent,
         )
         for name, fn in spec.functions.items()
     )
@@ -181,6 +182,7 @@ class ProxyInvoker:
                 pool_reserved_bytes=pool["reserved_bytes"],
                 pool_used_bytes=pool["allocated_bytes"],
                 instances={fn: v["instances"] for fn, v in s["functions"].items()},
+                unprofiled_runs=s.get("profiles", {}).get("unprofiled_runs", 0),
             )
 
     def last_stats(self) -> dict[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ The schema (every key is checked; unknown keys are errors)::
         batch_size: 1             # batch its model plans are lowered for
         max_instances: 4          # at most this many invocations of it run at once
         timeout_ms: 10000         # optional: one invocation's limit
+        gpu_percent: 50           # optional: its kernels use at most this share of the GPU's units
         params: {image_size: 320} # optional: handed to the handler as event["params"]
     edges:
       - {from: detect, to: face, select: people, fan_out: true}   # max_items: 1000 (at most 100000)
@@ -70,6 +71,9 @@ class FunctionSpec(_Strict):
     batch_size: int = Field(1, ge=1, le=1024, description="batch the model plans are lowered for")
     max_instances: int = Field(DEFAULT_MAX_INSTANCES, ge=1, le=1024, description="concurrency limit")
     timeout_ms: float | None = Field(None, gt=0, description="one invocation's time limit")
+    gpu_percent: int | None = Field(
+        None, ge=1, le=100, description="share of the GPU's compute units its kernels use (GPU%)"
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="given to the handler in the event")
 
 

@@ -1,6 +1,7 @@
-"""The proxy's dispatcher never waits for slow work: a plan lowered for a new input shape, or model
-weights the IO daemon has not issued yet, are waited for off the dispatcher while the call that needs
-them is held; other instances' calls complete meanwhile.
+"""The proxy's dispatcher never waits for slow work: a plan lowered for a new input shape, model
+weights the IO daemon has not issued yet, or a long plan being issued (by an issuer thread,
+`api_proxy/issuer.py`) are waited for off the dispatcher while the call that needs them is held;
+other instances' calls complete meanwhile, and the held instance's later calls keep their order.
 
 A real proxy (template, forked instances, shared-memory channel), run in this process so that its
 slow steps can be gated deterministically: the model pool's lowering function and the IO daemon's
@@ -11,6 +12,8 @@ while another is provably still waiting), never timings.
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import textwrap
 import threading
 import time
@@ -21,7 +24,7 @@ import pytest
 import torch
 
 from streambox.api_proxy.control import ProxyClient, control_address
-from streambox.api_proxy.errors import FunctionFailed
+from streambox.api_proxy.errors import FunctionCrashed, FunctionFailed
 from streambox.api_proxy.proxy import ProxyServer
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
 from streambox.kernel_compiler.lowering import lower_module
@@ -45,6 +48,16 @@ HANDLERS = textwrap.dedent(
         x = torch.randn(1, 3, event["size"], event["size"], generator=g)
         (logits,) = ctx.infer("resnet18", x)
         return {"logits": ctx.download(logits).flatten().tolist(), "instance": ctx.instance_id}
+
+    @streambox.function(models=["resnet18"])
+    def overwrite_after_infer(ctx, event):
+        g = torch.Generator().manual_seed(event["seed"])
+        x = ctx.upload(torch.randn(1, 3, 32, 32, generator=g))
+        zeros = ctx.upload(torch.zeros(1, 3, 32, 32))
+        pending = ctx.infer_async("resnet18", x)
+        ctx.memcpy(x, zeros)  # sent before the infer's reply: it must reach the stream after the plan
+        (logits,) = pending.result()
+        return {"logits": ctx.download(logits).flatten().tolist(), "x": ctx.download(x).abs().sum().item()}
     """
 )
 
@@ -75,6 +88,9 @@ def served(tmp_path_factory, pool: ModelPool) -> Iterator[tuple[ProxyServer, Pro
         functions=(
             FunctionSpec("noop", "nonblocking_handlers:noop"),
             FunctionSpec("classify", "nonblocking_handlers:classify", models=("resnet18",), max_instances=3),
+            FunctionSpec(
+                "overwrite_after_infer", "nonblocking_handlers:overwrite_after_infer", models=("resnet18",)
+            ),
         ),
         sys_path=(str(root),),
         state_dir=str(root / "state"),
@@ -222,3 +238,90 @@ def test_weights_reloaded_through_the_daemon_are_waited_for_off_the_dispatcher(s
     assert got == want
     assert models.loads == loads + 1
     torch.testing.assert_close(torch.tensor(got), _logits(zoo_model, 9, 32), rtol=1e-4, atol=1e-5)
+
+
+# -- plans issued off the dispatcher (api_proxy/issuer.py): no head-of-line blocking ----------------
+
+STOP_AT = 10  # the plan's issue stops before this kernel until the test opens the gate
+
+
+class IssueGate:
+    """Wraps the proxy's `memory.infer`: the issue of a resnet18 plan stops before kernel `STOP_AT`
+    (on whatever thread issues it) until the test opens the gate."""
+
+    def __init__(self, server: ProxyServer) -> None:
+        self.memory = server.resources.memory
+        self.real = self.memory.infer
+        self.entered, self.open = threading.Event(), threading.Event()
+        self.threads: list[str] = []
+
+    def __enter__(self) -> IssueGate:
+        def infer(instance: Any, plan: Any, inputs: Any, stream: Any, **options: Any) -> Any:
+            hook = options.get("on_kernel")
+
+            def on_kernel(index: int, kernel: Any) -> None:
+                if index == STOP_AT and plan.model == "resnet18":
+                    self.threads.append(threading.current_thread().name)
+                    self.entered.set()
+                    if not self.open.wait(WAIT_S):
+                        raise TimeoutError("the test never opened the gate")
+                if hook is not None:
+                    hook(index, kernel)
+
+            return self.real(instance, plan, inputs, stream, **{**options, "on_kernel": on_kernel})
+
+        self.memory.infer = infer
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.open.set()
+        del self.memory.infer  # the bound method again
+
+
+def test_a_small_call_completes_while_a_long_plan_is_issued_and_the_plans_instance_keeps_its_order(
+    served, zoo_model
+):
+    server, client = served
+    client.invoke("noop", {}, request_id="warm")
+    client.invoke("overwrite_after_infer", {"seed": 1}, request_id="warm")
+    with IssueGate(server) as gate, concurrent.futures.ThreadPoolExecutor(1) as calls:
+        big = calls.submit(_invoke, server, "overwrite_after_infer", {"seed": 5}, "big")
+        assert gate.entered.wait(WAIT_S), "the plan's issue never reached the gate"
+        held = next(i for i in server.instances.values() if i.spec.name == "overwrite_after_infer")
+        _until(lambda: held.held, "the instance's memcpy to queue behind its plan")
+        # The plan is stuck in its issue (kernel STOP_AT); another instance's calls go through.
+        for i in range(3):
+            assert client.invoke("noop", {}, request_id=f"small-{i}", timeout_s=WAIT_S)["output"]["instance"]
+        assert not big.done() and held.issue is not None
+        gate.open.set()
+        got = big.result(WAIT_S)["output"]
+    assert gate.threads and all(name.startswith("streambox-issuer") for name in gate.threads)
+    # The memcpy that zeroed the input was sent before the plan was issued, and ran after it.
+    assert got["x"] == 0.0
+    torch.testing.assert_close(torch.tensor(got["logits"]), _logits(zoo_model, 5, 32), rtol=1e-4, atol=1e-5)
+    assert held.issue is None
+
+
+def test_an_instance_killed_while_its_plan_is_issued_fails_alone_and_leaks_nothing(served, zoo_model):
+    server, client = served
+    client.invoke("overwrite_after_infer", {"seed": 1}, request_id="warm")
+    pool = server.memory.pool
+    _until(lambda: not any(i.state == "busy" for i in server.instances.values()), "the instances to idle")
+    before = pool.allocated_bytes
+    with IssueGate(server) as gate, concurrent.futures.ThreadPoolExecutor(1) as calls:
+        doomed = calls.submit(_invoke, server, "overwrite_after_infer", {"seed": 2}, "doomed")
+        assert gate.entered.wait(WAIT_S), "the plan's issue never reached the gate"
+        inst = next(
+            i for i in server.instances.values() if i.invocation and i.invocation.request_id == "doomed"
+        )
+        os.kill(inst.pid, signal.SIGKILL)
+        _until(lambda: inst.state == "dead", "the proxy to see the instance die")
+        gate.open.set()  # the issue goes on, sees the cancel at its next kernel and stops
+        with pytest.raises(FunctionCrashed):
+            doomed.result(WAIT_S)
+    assert inst.key not in server.memory.executor.instances()
+    _until(lambda: pool.allocated_bytes <= before, "the killed run's buffers to be freed")
+    # The proxy goes on: another instance serves the function, and the other functions too.
+    got = client.invoke("overwrite_after_infer", {"seed": 3}, request_id="after")["output"]
+    torch.testing.assert_close(torch.tensor(got["logits"]), _logits(zoo_model, 3, 32), rtol=1e-4, atol=1e-5)
+    assert client.invoke("noop", {}, request_id="after")["output"]["instance"]

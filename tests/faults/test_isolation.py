@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from streambox.api_proxy.control import launch_proxy
+from streambox.api_proxy.control import ProxyClient, launch_proxy
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
 
 HANDLERS = textwrap.dedent(
@@ -73,8 +73,9 @@ def proxy(tmp_path_factory):
 def test_a_request_reaches_neither_another_requests_buffer_nor_its_key(proxy, tmp_path):
     client = proxy.client
     path = tmp_path / "address"
+    victim_client = ProxyClient(proxy.address)  # a client (a zmq socket) per thread
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        victim = pool.submit(client.invoke, "hold", {"s": 3.0, "path": str(path)}, "victim", 30.0)
+        victim = pool.submit(victim_client.invoke, "hold", {"s": 3.0, "path": str(path)}, "victim", 30.0)
         deadline = time.monotonic() + 20.0
         while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -84,6 +85,7 @@ def test_a_request_reaches_neither_another_requests_buffer_nor_its_key(proxy, tm
             "scan", {"address": address, "key": "iso/victim/secret"}, request_id="thief", timeout_s=20.0
         )["output"]
         result = victim.result()["output"]
+    victim_client.close()
     assert out["buffer"].startswith("IsolationError") and "neither made nor was handed" in out["buffer"], out
     assert out["key"].startswith("IsolationError") and "scoped to request 'victim'" in out["key"], out
     assert result["sum"] == float(sum(range(16)))  # the victim kept its data

@@ -13,11 +13,14 @@ from streambox.replay.systems import PAPER_KEEP_ALIVE_S, WorkflowOptions, Workfl
 from streambox.replay.target import SystemRequest, known_systems, resolve_system
 
 
-def test_the_three_systems_are_registered() -> None:
-    assert {"streambox", "stream-only", "monolithic"} <= set(known_systems())
-    for name in ("streambox", "stream-only", "monolithic"):
+def test_the_systems_are_registered_and_monolithic_is_a_deprecated_infless() -> None:
+    assert {"streambox", "stream-only", "infless", "monolithic"} <= set(known_systems())
+    for name in ("streambox", "stream-only", "infless"):
         target = resolve_system(name, SystemRequest(name, ("traffic",)))
         assert isinstance(target, WorkflowTarget) and target.name == name
+    with pytest.warns(DeprecationWarning, match="it is 'infless' now"):
+        old = resolve_system("monolithic", SystemRequest("monolithic", ("traffic",)))
+    assert old.settings["system"] == "infless" and old.settings["prewarm"] == 1
 
 
 def test_keep_alive_follows_the_time_compression() -> None:
@@ -50,8 +53,9 @@ def test_the_resolved_settings_are_what_config_json_shows() -> None:
         ("streambox", {"pa": "maybe"}, "streambox: proxy option: pa 'maybe' is not on or off"),
         ("streambox", {"fm": "off"}, "unknown proxy option 'fm'"),
         ("stream-only", {"bt": "off"}, "bt: switches of the IO daemon, which is off here"),
-        ("monolithic", {"pool_mode": "fm"}, r"monolithic: unknown options \['pool_mode'\]"),
-        ("monolithic", {"prewarm": "-1"}, "prewarm '-1' must be >= 0"),
+        ("infless", {"pool_mode": "fm"}, r"infless: unknown options \['pool_mode'\]"),
+        ("infless", {"prewarm": "-1"}, "prewarm '-1' must be >= 0"),
+        ("infless", {"gpu_percent": "101"}, "gpu_percent '101' must be <= 100"),
         ("streambox", {"gpus": "0"}, "streambox: gpus '0' must be >= 1"),
     ],
 )
@@ -81,7 +85,7 @@ def _rows(path: Path) -> list[dict[str, str]]:
 
 def test_the_three_systems_replay_a_real_workflow(tmp_path: Path) -> None:
     results, report = run_comparison(
-        ["streambox", "stream-only", "monolithic"],
+        ["streambox", "stream-only", "infless"],
         out=tmp_path,
         workflow="image-processing",
         minutes=30,
@@ -107,10 +111,12 @@ def test_the_three_systems_replay_a_real_workflow(tmp_path: Path) -> None:
         peak = {k: max(s.get(k, 0.0) for s in samples[system]) for k in samples[system][0]}
         assert peak["memory.weights_bytes"] > 0
         assert peak["memory_used_bytes"] >= peak["memory.context_bytes"] + peak["memory.weights_bytes"]
-    # Monolithic: a runtime (context) per function instance, two functions here; each sample's device
-    # memory holds at least the contexts of the runtimes it counted.
-    mono = samples["monolithic"]
-    assert max(s["runtimes"] for s in mono) >= 2
+    # INFless: a runtime (context) per function instance, two functions here, each an MPS client
+    # (pre-warmed: up before the first request); each sample's device memory holds at least the
+    # contexts of the runtimes it counted.
+    mono = samples["infless"]
+    assert min(s["runtimes"] for s in mono) >= 2
+    assert all(s["mps_clients"] == s["instances"] == s["runtimes"] for s in mono)
     assert all(s["memory_used_bytes"] >= s["memory.context_bytes"] for s in mono)
     assert max(s.get("memory.weights_bytes", 0) for s in mono) > 0
     assert report["ratios"] and any((tmp_path / "report").glob("*.png"))

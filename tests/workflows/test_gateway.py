@@ -170,6 +170,7 @@ def test_invoke_health_workflows_and_metrics(make_invoker, run):
     assert m[("streambox_device_memory_used_bytes", (("device", "0"),))] > 0
     assert ("streambox_pool_reserved_bytes", (("device", "0"), ("workflow", "fan"))) in m
     assert m[("streambox_function_instances", (("function", "square"), ("workflow", "fan")))] >= 1
+    assert m[("streambox_unprofiled_runs", (("workflow", "fan"),))] == 0
     assert m[("streambox_runtime_stats_up", ())] == 1
 
 
@@ -236,7 +237,7 @@ def test_serve_and_invoke_commands(tmp_path, runtime, pool):
     )
     thread.start()
     try:
-        for _ in range(200):
+        for _ in range(1200):  # validation checks the handlers in a child process (imports torch)
             if ready or not thread.is_alive():
                 break
             threading.Event().wait(0.05)

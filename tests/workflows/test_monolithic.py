@@ -158,6 +158,7 @@ def test_instances_are_processes_keys_cross_them_through_redis_and_failures_stay
                 await invoker.invoke("mono", "act", {"do": "raise"}, "r3")
             assert raised.value.error_type == "ValueError" and "Traceback" in (raised.value.traceback or "")
             assert invoker.memory_breakdown()["instances"] == 2
+            assert invoker.memory_breakdown()["mps_clients"] == 2  # each runtime holds an MPS share
 
             # An instance that dies fails its call and is discarded; its runtime leaves the device.
             with pytest.raises(InvocationError, match="exited with code 3") as crashed:
@@ -177,6 +178,7 @@ def test_instances_are_processes_keys_cross_them_through_redis_and_failures_stay
                 "pool_used_bytes": 0.0,
                 "instances": 0.0,
                 "busy_instances": 0.0,
+                "mps_clients": 0.0,
             }
             assert _runtimes(config) == 0
             assert list(invoker.runtime_stats()) == []
@@ -224,6 +226,35 @@ def test_deploy_says_why_without_redis(tmp_path, run):
         try:
             with pytest.raises(RedisUnavailable, match="passes data through Redis"):
                 await invoker.deploy(spec)
+        finally:
+            await invoker.close()
+
+    run(scenario())
+
+
+@needs_redis
+def test_a_call_waiting_on_a_slow_start_takes_an_instance_that_goes_idle_first(tmp_path, run, monkeypatch):
+    """The cause of a short monolithic replay leaving every request outstanding until its drain: a
+    call that started an instance waited for that start (tens of seconds on a loaded machine) while
+    the warm instance it could use went idle beside it."""
+    config = _config(tmp_path)
+    spec = parse_spec(WORKFLOW, "mono.yaml", base_dir=tmp_path)
+
+    async def scenario() -> None:
+        invoker = MonolithicInvoker(config, keep_alive_s=600.0, prewarm=1)
+        try:
+            await invoker.deploy(spec)
+            # From now on an instance start takes two minutes (the framework's modelled init).
+            monkeypatch.setenv("STREAMBOX_FRAMEWORK_INIT_S", "120")
+            began = time.monotonic()
+            first, second = await asyncio.gather(
+                invoker.invoke("mono", "act", {"do": "sleep", "s": 1.0}, "r1", timeout_s=60),
+                invoker.invoke("mono", "act", {"do": "sleep", "s": 1.0}, "r2", timeout_s=60),
+            )
+            waited = time.monotonic() - began
+            assert first.output["pid"] == second.output["pid"]  # the one warm instance, twice
+            assert not first.cold_start and not second.cold_start and invoker.cold_starts == 0
+            assert waited < 30, f"the second call waited {waited:.1f} s for its own start"
         finally:
             await invoker.close()
 

@@ -43,7 +43,7 @@ def test_unknown_key_suggests_the_right_one():
     text = "name: demo\nslo_ms: 100\nfunctions:\n  a:\n    handler: wf_test_handlers:echo\n    batchsize: 2\n"
     assert errors(text) == [
         "demo.yaml:6:5: functions.a.batchsize: unknown key; did you mean 'batch_size'? "
-        "(allowed keys: handler, models, batch_size, max_instances, timeout_ms, params)"
+        "(allowed keys: handler, models, batch_size, max_instances, timeout_ms, gpu_percent, params)"
     ]
 
 
@@ -58,6 +58,23 @@ def test_bad_types_are_all_reported_in_file_order():
         "demo.yaml:2:1: slo_ms: Input should be a valid number (got 'fast')",
         "demo.yaml:4:39: functions.a.max_instances: Input should be a valid integer (got '4')",
         "demo.yaml:4:59: functions.a.models: Input should be a valid list (got 'resnet18')",
+    ]
+
+
+def test_gpu_percent_is_a_whole_share_of_the_gpu():
+    head = "name: demo\nslo_ms: 50\nfunctions:\n"
+    spec = parse_spec(head + "  a: {handler: wf_test_handlers:echo, gpu_percent: 50}\n", "d.yaml", HERE)
+    assert spec.functions["a"].gpu_percent == 50
+    text = (
+        head
+        + "  a: {handler: wf_test_handlers:echo, gpu_percent: 0}\n"
+        + "  b: {handler: wf_test_handlers:echo, gpu_percent: 150}\n"
+        + '  c: {handler: wf_test_handlers:echo, gpu_percent: "50"}\n'
+    )
+    assert errors(text) == [
+        "demo.yaml:4:39: functions.a.gpu_percent: Input should be greater than or equal to 1 (got 0)",
+        "demo.yaml:5:39: functions.b.gpu_percent: Input should be less than or equal to 100 (got 150)",
+        "demo.yaml:6:39: functions.c.gpu_percent: Input should be a valid integer (got '50')",
     ]
 
 

@@ -1,0 +1,140 @@
+"""Issuing plans off the dispatcher, so that one instance's long plan does not hold other instances'
+calls (no head-of-line blocking).
+
+An `infer` hands its plan's issue (`ProxyMemory.infer`: lazy allocation, launches, eager recycling)
+to one of a few issuer threads and waits for it as an `Offload`: the instance is held meanwhile, so
+its own later calls keep their order, while the dispatcher goes on serving every other instance.
+
+Under the GIL two threads that both want to run Python do not share it finely (a waiting thread
+gets it only after the 5 ms switch interval), so the issue is cooperatively sliced: every
+`slice_kernels` kernels the issuer waits for a turn, which the dispatcher grants (`grant`: one
+issue at a time, oldest first) each time it goes round its loop with nothing to do. The
+dispatcher's own work (every instance's messages, completions) thus goes first, and a small call
+of another instance waits about one slice per step, not the whole plan.
+
+A ticket can be cancelled (its instance died): the issue stops at the next slice boundary, the
+executor hands back what the run held, and outputs of a run that finished unseen are freed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from streambox.device import Stream
+
+from .executor import RunResult
+
+DEFAULT_SLICE_KERNELS = 8
+DEFAULT_ISSUERS = 2
+TURN_CHECK_S = 0.05  # how often an issue waiting for a turn checks whether the proxy is closing
+
+Free = Callable[[list[int], Stream], None]
+Issue = Callable[[Callable[[int, Any], None]], RunResult]  # the issue, given the per-kernel hook
+
+
+class IssueCancelled(Exception):
+    """The instance whose plan was being issued is gone."""
+
+
+class IssueTicket:
+    """One plan's issue on an issuer thread: paced into slices, cancellable."""
+
+    def __init__(self, issuer: Issuer) -> None:
+        self._waiting, self._wake, self._closed = issuer.waiting, issuer.request_turn, issuer.closed
+        self._slice = issuer.slice_kernels
+        self._lock = threading.Lock()
+        self._turn = threading.Event()
+        self._count = 0
+        self._cancelled = False
+        self._delivered = False
+        self.future: Future[tuple[bool, Any]] = Future()
+
+    def on_kernel(self, index: int, kernel: Any) -> None:
+        """The executor's per-kernel hook: at each slice boundary, wait for the dispatcher's turn."""
+        self._count += 1
+        if self._count % self._slice == 0:
+            self._turn.clear()
+            self._waiting.append(self._turn)  # list.append: atomic under the GIL
+            self._wake()
+            while not self._turn.wait(TURN_CHECK_S) and not self._closed.is_set():
+                pass  # a proxy closing grants no more turns
+        if self._cancelled:
+            raise IssueCancelled("the instance was dropped while its plan was being issued")
+
+    def run(self, issue: Issue, free: Free, stream: Stream) -> None:
+        """On an issuer thread: the issue; its outcome as `(True, result)` or `(False, error)`."""
+        try:
+            result = issue(self.on_kernel)
+        except BaseException as exc:  # noqa: BLE001 - handed to the call, raised there as it was
+            self.future.set_result((False, exc))
+            return
+        with self._lock:
+            if self._cancelled:  # nobody will take the outputs: hand them back, stream-ordered
+                free([t.address for t in result.outputs.values()], stream)
+                self.future.set_result((False, IssueCancelled("the instance was dropped")))
+                return
+            self._delivered = True
+        self.future.set_result((True, result))
+
+    def cancel(self, timeout_s: float) -> RunResult | None:
+        """Stop the issue (its instance is gone) and wait for the thread to let go of it. Returns the
+        run's result if it had been delivered already (the caller frees its outputs), else None."""
+        with self._lock:
+            self._cancelled = True
+        self._turn.set()  # an issuer waiting for its turn goes on, and stops
+        ok, value = self.future.result(timeout_s)
+        return value if ok else None
+
+
+class Issuer:
+    """A few issuer threads; the dispatcher submits at most one plan per instance at a time (the
+    instance is held while it waits), so each instance's work reaches its stream in program order."""
+
+    def __init__(
+        self,
+        wake: Callable[[], None],
+        *,
+        threads: int = DEFAULT_ISSUERS,
+        slice_kernels: int = DEFAULT_SLICE_KERNELS,
+    ) -> None:
+        if threads < 1 or slice_kernels < 1:
+            raise ValueError(f"issuer: threads ({threads}) and slice_kernels ({slice_kernels}) must be >= 1")
+        self._wake = wake
+        self.slice_kernels = slice_kernels
+        self.waiting: list[threading.Event] = []  # issues at a slice boundary, waiting for a turn
+        self.requested = threading.Event()  # set while one waits: ends the dispatcher's idle pause
+        self.closed = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="streambox-issuer")
+
+    def submit(self, issue: Issue, free: Free, stream: Stream) -> IssueTicket:
+        """Run `issue(on_kernel)` on an issuer thread; the ticket's future gives `(ok, value)`."""
+        ticket = IssueTicket(self)
+        self._pool.submit(ticket.run, issue, free, stream)
+        return ticket
+
+    def request_turn(self) -> None:
+        """From an issuer thread that just joined `waiting`: wake the dispatcher (asleep on its
+        doorbell, or pausing between completion polls: `pause`)."""
+        self.requested.set()
+        self._wake()
+
+    def pause(self, seconds: float) -> None:
+        """The dispatcher's idle pause between completion polls, cut short by a turn's request."""
+        self.requested.wait(seconds)
+
+    def grant(self) -> None:
+        """On the dispatcher, when it has nothing to do: the longest-waiting issue goes on for one
+        slice (one at a time, so the dispatcher comes round again after each slice, and the
+        instances' plans take turns)."""
+        self.requested.clear()
+        if self.waiting:
+            self.waiting.pop(0).set()
+        if self.waiting:
+            self.requested.set()
+
+    def close(self) -> None:
+        self.closed.set()  # the dispatcher has stopped: issues still running finish without turns
+        self._pool.shutdown(wait=True, cancel_futures=True)

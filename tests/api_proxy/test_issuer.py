@@ -1,0 +1,96 @@
+"""The issuer's pacing and cancellation (`api_proxy/issuer.py`), with this test as the dispatcher: it
+grants the turns. The issues are plain functions that call the per-kernel hook as the executor does."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from streambox.api_proxy.issuer import IssueCancelled, Issuer
+
+WAIT_S = 30.0
+
+
+def _issue(name: str, kernels: int, log: list[tuple[str, int]], outputs: dict[str, Any] | None = None):
+    def issue(on_kernel: Callable[[int, Any], None]) -> Any:
+        for index in range(kernels):
+            on_kernel(index, None)
+            log.append((name, index))
+        return SimpleNamespace(outputs=outputs or {})
+
+    return issue
+
+
+def _until(predicate: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_issues_run_a_slice_per_turn_and_take_turns_oldest_first() -> None:
+    issuer = Issuer(lambda: None, threads=2, slice_kernels=4)
+    log: list[tuple[str, int]] = []
+    frees: list[Any] = []
+    try:
+        a = issuer.submit(_issue("a", 12, log), lambda addresses, stream: frees.append(addresses), None)
+        _until(lambda: len(issuer.waiting) == 1)
+        b = issuer.submit(_issue("b", 12, log), lambda addresses, stream: frees.append(addresses), None)
+        _until(lambda: len(issuer.waiting) == 2)
+        # Each ran up to its first boundary (kernels 0..2; kernel 3 waits for a turn), and no further.
+        assert sorted(log) == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2)]
+        turns = []
+        while not (a.future.done() and b.future.done()):
+            before = len(log)
+            if issuer.waiting:
+                turns.append(len(issuer.waiting))
+                issuer.grant()
+                _until(lambda: len(issuer.waiting) >= 1 or (a.future.done() and b.future.done()))
+                _until(lambda before=before: len(log) > before)
+                assert len(log) - before <= 4  # one slice per turn
+        assert a.future.result(WAIT_S)[0] and b.future.result(WAIT_S)[0]
+        assert [i for n, i in log if n == "a"] == list(range(12))  # each issue in its own order
+        assert frees == []
+    finally:
+        issuer.close()
+
+
+def test_a_cancelled_issue_stops_at_its_next_kernel_and_a_finished_one_frees_its_outputs() -> None:
+    issuer = Issuer(lambda: None, threads=1, slice_kernels=2)
+    log: list[tuple[str, int]] = []
+    freed: list[list[int]] = []
+    try:
+        ticket = issuer.submit(_issue("a", 10, log), lambda addresses, stream: freed.append(addresses), None)
+        _until(lambda: issuer.waiting)
+        assert ticket.cancel(WAIT_S) is None  # not delivered: the issue stopped
+        ok, error = ticket.future.result(WAIT_S)
+        assert not ok and isinstance(error, IssueCancelled)
+        assert log == [("a", 0)]
+
+        # A run that finishes before the cancel is seen: delivered, the canceller frees its outputs.
+        done = issuer.submit(_issue("b", 1, log, {"y": SimpleNamespace(address=7)}), lambda *a: None, None)
+        assert done.future.result(WAIT_S)[0]
+        assert done.cancel(WAIT_S).outputs["y"].address == 7
+    finally:
+        issuer.close()
+
+
+def test_closing_lets_an_issue_waiting_for_a_turn_finish() -> None:
+    issuer = Issuer(lambda: None, threads=1, slice_kernels=1)
+    log: list[tuple[str, int]] = []
+    ticket = issuer.submit(_issue("a", 3, log), lambda *a: None, None)
+    _until(lambda: issuer.waiting)
+    closer = threading.Thread(target=issuer.close)
+    closer.start()
+    closer.join(WAIT_S)
+    assert not closer.is_alive() and ticket.future.result(0)[0] and len(log) == 3
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="slice_kernels"):
+        Issuer(lambda: None, slice_kernels=0)
