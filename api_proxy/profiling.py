@@ -16,7 +16,7 @@ it (`profile_on_device`) is used; without one, `NoProfile` says why.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from streambox.device import Runtime, Stream
 from streambox.kernel_compiler.cost_model import preset_for_device
@@ -29,7 +29,10 @@ from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig
 from .device_tensor import DeviceTensor, upload_tensor
 from .executor import DeviceModel, PlanExecutor, free_all, free_model, upload_model
 
-__all__ = ["NoProfile", "device_profile", "measure_kernel_runtimes", "measured_source", "profile_on_device"]
+__all__ = [
+    "NoProfile", "device_profile", "measure_kernel_runtimes", "measure_plan_on_device", "measured_source",
+    "profile_on_device",
+]
 
 
 class NoProfile(LookupError):
@@ -84,6 +87,33 @@ def measure_kernel_runtimes(
     return [statistics.median(column) for column in zip(*samples, strict=True)]
 
 
+def measure_plan_on_device(
+    runtime: Runtime,
+    plan: KernelPlan,
+    *,
+    repeats: int = 3,
+    executor: Callable[[Runtime, DeviceMemoryPool], PlanExecutor] = PlanExecutor,
+) -> list[float]:
+    """`measure_kernel_runtimes` of `plan` on its example input, uploaded to `runtime` in a private
+    pool that is freed after; `executor` builds the executor that runs it (gpu_check gates it)."""
+    pool = DeviceMemoryPool(runtime, PoolConfig(metrics=False))
+    stream = runtime.create_stream()
+    try:
+        device_model = upload_model(runtime, plan, pool, stream)
+        example = example_input(plan.model, plan.batch, tuple(plan.input_shape))
+        x = upload_tensor(runtime, example, pool.allocate, stream)
+        seconds = measure_kernel_runtimes(
+            executor(runtime, pool), device_model, {plan.inputs[0]: x}, stream, repeats=repeats
+        )
+        pool.free(x.address, stream)
+        free_model(device_model, pool, stream)
+        stream.synchronize()
+    finally:
+        pool.close()
+        stream.destroy()
+    return seconds
+
+
 def profile_on_device(
     model_pool: ModelPool,
     runtime: Runtime,
@@ -100,23 +130,7 @@ def profile_on_device(
     if profile.runtime_s is not None and not force:
         return profile
     plan = model_pool.get_or_lower(model, batch, input_shape)
-    pool = DeviceMemoryPool(runtime, PoolConfig(metrics=False))
-    stream = runtime.create_stream()
-    try:
-        device_model = upload_model(runtime, plan, pool, stream)
-        x = upload_tensor(
-            runtime, example_input(model, batch, tuple(plan.input_shape)), pool.allocate, stream
-        )
-        executor = PlanExecutor(runtime, pool)
-        profile.runtime_s = measure_kernel_runtimes(
-            executor, device_model, {plan.inputs[0]: x}, stream, repeats=repeats
-        )
-        profile.runtime_source = measured_source(runtime.properties().name)
-        pool.free(x.address, stream)
-        free_model(device_model, pool, stream)
-        stream.synchronize()
-    finally:
-        pool.close()
-        stream.destroy()
+    profile.runtime_s = measure_plan_on_device(runtime, plan, repeats=repeats)
+    profile.runtime_source = measured_source(runtime.properties().name)
     model_pool.store_profile(profile)
     return profile

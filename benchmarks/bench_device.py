@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, print_table, write_json  # noqa: E402
 from device_timing import tables as device_timing_tables  # noqa: E402
+from device_timing import tables_json  # noqa: E402
 
 from streambox.kernel_compiler import cost_model  # noqa: E402
 from streambox.kernel_compiler.calibration import read_calibration  # noqa: E402
@@ -131,9 +132,7 @@ def main() -> None:
         args.json,
         "bench_device",
         {"quick": args.quick, "preset": PRESET, "goal": GOAL},
-        {"cost_model": rows, "device_timing": [
-            {"title": t, "columns": c, "rows": r} for t, c, r in timing
-        ]},
+        {"cost_model": rows, "device_timing": tables_json(timing)},
     )
 
 

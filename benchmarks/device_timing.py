@@ -233,7 +233,11 @@ def _cells(r: Row) -> list[Any]:
             r["note"]]
 
 
-def tables(quick: bool) -> list[tuple[str, list[str], list[list[Any]]]]:
+#: (title, columns, rows) of one printed table.
+Table = tuple[str, list[str], list[list[Any]]]
+
+
+def tables(quick: bool) -> list[Table]:
     """(title, columns, rows) per measurement group, as bench_device.py prints them."""
     groups = [
         ("shared PCIe link, a context per process (V100; measured vs expected)", link_sharing(quick)),
@@ -241,6 +245,11 @@ def tables(quick: bool) -> list[tuple[str, list[str], list[list[Any]]]]:
         ("host CPU per modelled GPU second, timed mode (measured vs ideal)", host_cpu(quick)),
     ]
     return [(title, COLUMNS, [_cells(r) for r in rows]) for title, rows in groups]
+
+
+def tables_json(groups: list[Table]) -> list[dict[str, Any]]:
+    """The tables as the JSON report writes them."""
+    return [{"title": t, "columns": c, "rows": r} for t, c, r in groups]
 
 
 def main() -> None:
@@ -251,8 +260,7 @@ def main() -> None:
     groups = tables(args.quick)
     for title, columns, rows in groups:
         print_table(title, columns, rows)
-    write_json(args.json, "device_timing", {"quick": args.quick, "preset": "v100-16gb"},
-               [{"title": t, "columns": c, "rows": r} for t, c, r in groups])
+    write_json(args.json, "device_timing", {"quick": args.quick, "preset": "v100-16gb"}, tables_json(groups))
 
 
 if __name__ == "__main__":

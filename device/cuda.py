@@ -699,6 +699,9 @@ def _module_image(path_or_bytes: ModuleImage) -> bytes:
 
 MPS_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
+#: Runs one teardown step and records its error instead of raising it (CudaRuntime.close).
+_Attempt = Callable[[Callable[[], object]], None]
+
 
 def _require_mps_share(gpu_percent: int, *, first_context: bool) -> None:
     if not (isinstance(gpu_percent, int) and 1 <= gpu_percent <= 100):
@@ -1056,10 +1059,6 @@ class CudaRuntime(Runtime):
     def close(self) -> None:
         if self.closed:
             return
-        with self._lock:
-            streams, pools = list(self._streams), list(self._pools)
-            buffers, modules = list(self._host_buffers), list(self._modules)
-            events = list(self._events)
         errors: list[BaseException] = []
 
         def attempt(fn: Callable[[], object]) -> None:
@@ -1068,6 +1067,21 @@ class CudaRuntime(Runtime):
             except Exception as exc:  # keep tearing down; report the first error after
                 errors.append(exc)
 
+        self._release_all(attempt)
+        self.closed = True
+        attempt(lambda: _check(driver.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease"))
+        self.backend._forget_runtime(self)
+        if errors:
+            raise errors[0]
+
+    def _release_all(self, attempt: _Attempt) -> None:
+        """Wait for every stream, then free what this context made, users before what they use (events,
+        pools, allocations, host buffers, modules, streams, the internal stream), each step through
+        `attempt` so that one failure does not stop the rest."""
+        with self._lock:
+            streams, pools = list(self._streams), list(self._pools)
+            buffers, modules = list(self._host_buffers), list(self._modules)
+            events = list(self._events)
         for stream in streams:
             attempt(stream.synchronize)
         for event in events:
@@ -1085,19 +1099,18 @@ class CudaRuntime(Runtime):
             attempt(module.unload)
         for stream in streams:
             attempt(stream.destroy)
-        if self._internal is not None:
+        self._destroy_internal_stream(attempt)
 
-            def destroy_internal() -> None:
-                with self._current():
-                    _check(driver.cuStreamDestroy(self._internal), "cuStreamDestroy")
+    def _destroy_internal_stream(self, attempt: _Attempt) -> None:
+        if self._internal is None:
+            return
 
-            attempt(destroy_internal)
-            self._internal = None
-        self.closed = True
-        attempt(lambda: _check(driver.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease"))
-        self.backend._forget_runtime(self)
-        if errors:
-            raise errors[0]
+        def destroy_internal() -> None:
+            with self._current():
+                _check(driver.cuStreamDestroy(self._internal), "cuStreamDestroy")
+
+        attempt(destroy_internal)
+        self._internal = None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -38,6 +38,34 @@ def _min_free(own: Sequence[Placed], start: float, end: float, capacity: int) ->
     return min(capacity - units_in_use(own, p) for p in points)
 
 
+def _is_blocked(at: float, blocked: Sequence[Blocked]) -> bool:
+    """Whether another context holds the GPU at time `at`."""
+    return any(b0 <= at < b1 for b0, b1 in blocked)
+
+
+def _past_blocked(start: float, blocked: Sequence[Blocked]) -> float:
+    """`start` moved to the end of each blocked interval it falls in, in one pass over `blocked`."""
+    for b0, b1 in blocked:
+        if b0 <= start < b1:
+            start = b1
+    return start
+
+
+def _units_that_fit(
+    own: Sequence[Placed], start: float, unit_seconds: float, units: int, capacity: int
+) -> tuple[int, float]:
+    """(units, end): the most units, at most `units`, free all through a run from `start` that takes
+    `unit_seconds / units`; 0 units when some own kernel leaves none free on the way."""
+    while True:
+        end = start + unit_seconds / units
+        fits = _min_free(own, start, end, capacity)
+        if fits >= units:
+            return units, end
+        if fits < 1:
+            return 0, end
+        units = fits
+
+
 def place_kernel(
     ready: float,
     duration: float,
@@ -54,26 +82,14 @@ def place_kernel(
         raise ValueError(f"kernel wants {want} units of {capacity} (full occupancy {full})")
     start = ready
     for _ in range(_MAX_STEPS):
-        for b0, b1 in blocked:  # start outside every blocked interval
-            if b0 <= start < b1:
-                start = b1
-        covering = [b for b in blocked if b[0] <= start < b[1]]
-        if covering:
+        start = _past_blocked(start, blocked)
+        if _is_blocked(start, blocked):
             continue
         free = capacity - units_in_use(own, start)
         if free < 1:
             start = min(e for s, e, _ in own if s <= start < e)
             continue
-        units = min(want, free)
-        while True:
-            end = start + duration * full / units
-            fits = _min_free(own, start, end, capacity)
-            if fits >= units:
-                break
-            if fits < 1:
-                units = 0
-                break
-            units = fits
+        units, end = _units_that_fit(own, start, duration * full, min(want, free), capacity)
         if units == 0:  # an own kernel takes the rest later on: start when the first one ends
             start = min(e for s, e, _ in own if start < e and s < start + duration * full)
             continue

@@ -122,6 +122,16 @@ def _spec(name: str, kind: str, t: torch.Tensor, base: str | None = None) -> Var
     )
 
 
+def _tensor_results(node: fx.Node, op: torch._ops.OpOverload) -> tuple[list[torch.Tensor], bool]:
+    """(the example values of `node`'s results, whether it returns a list or tuple of them)."""
+    vals = node.meta["val"]
+    multi = isinstance(vals, list | tuple)
+    vals = list(vals) if multi else [vals]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        raise LoweringError(f"node {node.name}: {op} returns non-tensors")
+    return vals, multi
+
+
 # --- the graph walk --------------------------------------------------------------------------------
 
 
@@ -179,45 +189,52 @@ class _Builder:
             return  # runtime assertions (e.g. _assert_tensor_metadata) have no effect on buffers
         if _mutates(op):
             raise LoweringError(f"node {node.name}: in-place op {op} after functionalisation")
-        vals = node.meta["val"]
-        multi = isinstance(vals, list | tuple)
-        vals = list(vals) if multi else [vals]
-        if not all(isinstance(v, torch.Tensor) for v in vals):
-            raise LoweringError(f"node {node.name}: {op} returns non-tensors")
-        by_index = {u.args[1]: u.name for u in node.users if u.target is operator.getitem}
-        # Outputs nobody reads (e.g. max-pool indices) still need a destination: name them after the node.
-        names = [by_index.get(i, f"{node.name}__{i}") for i in range(len(vals))] if multi else [node.name]
-        if clash := [n for n in names if n in self.vars]:
-            raise LoweringError(f"node {node.name}: variable names {clash} already taken")
-
+        vals, multi = _tensor_results(node, op)
+        names = self._output_names(node, len(vals), multi)
         args = argcodec.encode(list(node.args), self._var_of)
         kwargs = {k: argcodec.encode(v, self._var_of) for k, v in node.kwargs.items()}
-        view = is_view_op(op)
-        if view:
-            base = self._root(argcodec.var_names(args)[0])
-            for n, v in zip(names, vals, strict=True):
-                self.vars[n] = _spec(n, "view", v, base=base)
-            kernel = Kernel(node.name, str(op), "view", args, kwargs, names, source_op=str(op))
-        else:
-            for n, v in zip(names, vals, strict=True):
-                self.vars[n] = _spec(n, "intermediate", v)
-            out = find_out_overload(op)
-            if out is not None:
-                out_op, out_args = out
-                accepted = {a.name for a in out_op._schema.arguments}
-                kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-                kernel = Kernel(
-                    node.name, str(out_op), "compute", args, kwargs, names, out_args, source_op=str(op)
-                )
-            else:
-                kernel = Kernel(
-                    node.name, str(op), "compute", args, kwargs, names, fallback=True, source_op=str(op)
-                )
-        self._add(kernel)
+        self._add(self._kernel(node, op, args, kwargs, names, vals))
         for n in names:
             self.node_var[n] = n
         if not multi:
             self.node_var[node.name] = node.name
+
+    def _output_names(self, node: fx.Node, count: int, multi: bool) -> list[str]:
+        """The variable names of `node`'s `count` results: a multi-result op's are its getitem users'."""
+        by_index = {u.args[1]: u.name for u in node.users if u.target is operator.getitem}
+        # Outputs nobody reads (e.g. max-pool indices) still need a destination: name them after the node.
+        names = [by_index.get(i, f"{node.name}__{i}") for i in range(count)] if multi else [node.name]
+        if clash := [n for n in names if n in self.vars]:
+            raise LoweringError(f"node {node.name}: variable names {clash} already taken")
+        return names
+
+    def _kernel(
+        self,
+        node: fx.Node,
+        op: torch._ops.OpOverload,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        names: list[str],
+        vals: list[torch.Tensor],
+    ) -> Kernel:
+        """`node`'s kernel, its results declared: a view of its first argument's storage, or a compute
+        kernel writing fresh intermediates (through the op's out= overload where it has one)."""
+        if is_view_op(op):
+            base = self._root(argcodec.var_names(args)[0])
+            for n, v in zip(names, vals, strict=True):
+                self.vars[n] = _spec(n, "view", v, base=base)
+            return Kernel(node.name, str(op), "view", args, kwargs, names, source_op=str(op))
+        for n, v in zip(names, vals, strict=True):
+            self.vars[n] = _spec(n, "intermediate", v)
+        out = find_out_overload(op)
+        if out is None:
+            return Kernel(
+                node.name, str(op), "compute", args, kwargs, names, fallback=True, source_op=str(op)
+            )
+        out_op, out_args = out
+        accepted = {a.name for a in out_op._schema.arguments}
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        return Kernel(node.name, str(out_op), "compute", args, kwargs, names, out_args, source_op=str(op))
 
     def _add(self, kernel: Kernel) -> None:
         touched = argcodec.var_names(kernel.args) + argcodec.var_names(list(kernel.kwargs.values()))

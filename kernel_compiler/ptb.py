@@ -153,17 +153,23 @@ def _stores_outside_sblocks(stmt: Any) -> bool:
     return found[0]
 
 
-def _rewrite_nest(loop: tirx.For, cap: tirx.Var, barrier: bool) -> tuple[tirx.For, Nest]:
+def _split_nest(loop: tirx.For) -> tuple[list[tirx.For], Any]:
+    """The nest's blockIdx-bound loops, outermost first, and the body below them, checked to form one
+    grid whose stores a block predicate can guard."""
     loops: list[tirx.For] = []
     stmt: Any = loop
     while _is_block_loop(stmt):
         loops.append(stmt)
         stmt = stmt.body
-    body = stmt
-    if _count_block_loops(body):
+    if _count_block_loops(stmt):
         raise PTBError("blockIdx-bound loops below non-blockIdx statements (not a single grid)")
-    if _stores_outside_sblocks(body):
+    if _stores_outside_sblocks(stmt):
         raise PTBError("stores outside SBlocks: the virtual-block predicate could not guard them")
+    return loops, stmt
+
+
+def _loops_by_tag(loops: list[tirx.For]) -> dict[str, tirx.For]:
+    """Each loop by its blockIdx tag; every one bound once and running over [0, constant)."""
     by_tag: dict[str, tirx.For] = {}
     for lp in loops:
         tag = lp.thread_binding.thread_tag
@@ -172,9 +178,51 @@ def _rewrite_nest(loop: tirx.For, cap: tirx.Var, barrier: bool) -> tuple[tirx.Fo
         if not isinstance(lp.extent, tirx.IntImm) or not isinstance(lp.min, tirx.IntImm) or int(lp.min):
             raise PTBError(f"{tag} loop is not [0, constant): min={lp.min}, extent={lp.extent}")
         by_tag[tag] = lp
+    return by_tag
+
+
+def _index_dtype(loops: list[tirx.For]) -> str:
     dtype = str(loops[0].loop_var.ty)
     if any(str(lp.loop_var.ty) != dtype for lp in loops):
         raise PTBError("blockIdx loops of different index types")
+    return dtype
+
+
+def _original_block_indices(
+    by_tag: dict[str, tirx.For], nest: Nest, v: tirx.Var, dtype: str
+) -> list[tuple[Any, Any]]:
+    """(blockIdx loop variable, its value) for each original blockIdx loop, from the virtual block ``v``
+    (x fastest, then y, then z)."""
+    x, y, z = nest.grid
+    values: list[tuple[Any, Any]] = []
+    if "blockIdx.x" in by_tag:
+        vx = v if nest.virtual_blocks == x else tirx.floormod(v, tirx.IntImm(dtype, x))
+        values.append((by_tag["blockIdx.x"].loop_var, vx))
+    if "blockIdx.y" in by_tag:
+        vy = tirx.floordiv(v, tirx.IntImm(dtype, x))
+        vy = vy if z == 1 else tirx.floormod(vy, tirx.IntImm(dtype, y))
+        values.append((by_tag["blockIdx.y"].loop_var, vy))
+    if "blockIdx.z" in by_tag:
+        values.append((by_tag["blockIdx.z"].loop_var, tirx.floordiv(v, tirx.IntImm(dtype, x * y))))
+    return values
+
+
+def _guard_sblocks(body: Any, in_range: Any) -> Any:
+    """``body`` with ``in_range`` and-ed into every SBlock's predicate."""
+
+    def guard(r: Any) -> Any:
+        # ``True && c`` must become ``c``: the affine-binding analysis does not see through it.
+        pred = r.predicate
+        always = isinstance(pred, tirx.IntImm) and int(pred) == 1
+        return SBlockRealize(r.iter_values, in_range if always else tirx.And(pred, in_range), r.block)
+
+    return tvm_ffi.structural_map(body, (SBlockRealize, guard), order="post")
+
+
+def _rewrite_nest(loop: tirx.For, cap: tirx.Var, barrier: bool) -> tuple[tirx.For, Nest]:
+    loops, body = _split_nest(loop)
+    by_tag = _loops_by_tag(loops)
+    dtype = _index_dtype(loops)
 
     def c(value: int) -> tirx.IntImm:
         return tirx.IntImm(dtype, value)
@@ -187,23 +235,8 @@ def _rewrite_nest(loop: tirx.For, cap: tirx.Var, barrier: bool) -> tuple[tirx.Fo
     b = tirx.Var(PTB_BLOCK_VAR, dtype)
     k = tirx.Var(PTB_LOOP_VAR, dtype)
     v = tirx.Var(PTB_VIRTUAL_VAR, dtype)
-    values: list[tuple[Any, Any]] = [(v, b + k * phys)]
-    if "blockIdx.x" in by_tag:
-        values.append((by_tag["blockIdx.x"].loop_var, v if v_total == x else tirx.floormod(v, c(x))))
-    if "blockIdx.y" in by_tag:
-        vy = tirx.floordiv(v, c(x))
-        values.append((by_tag["blockIdx.y"].loop_var, vy if z == 1 else tirx.floormod(vy, c(y))))
-    if "blockIdx.z" in by_tag:
-        values.append((by_tag["blockIdx.z"].loop_var, tirx.floordiv(v, c(x * y))))
-    in_range = v < c(v_total)
-
-    def guard(r: Any) -> Any:
-        # ``True && c`` must become ``c``: the affine-binding analysis does not see through it.
-        pred = r.predicate
-        always = isinstance(pred, tirx.IntImm) and int(pred) == 1
-        return SBlockRealize(r.iter_values, in_range if always else tirx.And(pred, in_range), r.block)
-
-    body = tvm_ffi.structural_map(body, (SBlockRealize, guard), order="post")
+    values = [(v, b + k * phys), *_original_block_indices(by_tag, nest, v, dtype)]
+    body = _guard_sblocks(body, v < c(v_total))
     stmts: list[Any] = [tirx.Bind(var, value) for var, value in values]
     if barrier:
         stmts.append(tirx.Evaluate(tirx.op.tvm_storage_sync("shared")))

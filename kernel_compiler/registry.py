@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -212,6 +213,118 @@ def lower_registered(root: Path, record: ModelRecord, batch: int, shape: tuple[i
 # --- registration ----------------------------------------------------------------------------------
 
 
+@dataclass
+class _Source:
+    """What ``register`` lowers: the eager module, its input, and where it came from."""
+
+    file: str  # the .pt2 file (absolute) or the factory, as errors and the record name it
+    eager: nn.Module
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    weights: Path | None = None  # a factory's weights file (absolute)
+    program: Any = None  # the loaded ExportedProgram of a .pt2 file
+    static_batch: int | None = None  # the only batch a .pt2 exported with a static batch serves
+
+
+def _checked_batches(
+    base: str, version: int | None, pt2: object, factory: object, weights: object, batches: Sequence[int]
+) -> list[int]:
+    """The sorted batch sizes, once the registration's arguments are checked to go together."""
+    if version is not None:
+        raise ValueError(f"give the name without a version ({base!r}); registration picks the next one")
+    if base in ZOO:
+        raise ValueError(f"{base!r} is a zoo model; register under another name")
+    if (pt2 is None) == (factory is None):
+        raise ValueError("give exactly one of a .pt2 file or a package.module:build factory")
+    if weights is not None and factory is None:
+        raise ValueError("weights go with a factory; a .pt2 file carries its own")
+    checked = sorted({int(b) for b in batches})
+    if not checked or checked[0] < 1:
+        raise ValueError(f"batch sizes must be positive integers, got {list(checked)}")
+    return checked
+
+
+def _from_pt2(pt2: Path | str, batches: list[int], input_shape: Sequence[int] | None) -> _Source:
+    file = str(Path(pt2).resolve())
+    if not Path(pt2).is_file():
+        raise ModelRegistrationError(file, "no such file")
+    try:
+        program = torch.export.load(pt2)
+    except Exception as error:
+        raise ModelRegistrationError(file, f"not a torch.export.save file ({first_line(error)})") from None
+    eager = program.module()
+    user_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    if len(user_inputs) != 1:
+        raise UnsupportedModelError(file, f"the program takes {len(user_inputs)} tensor inputs, not one")
+    val = next(n for n in program.graph.nodes if n.name == user_inputs[0]).meta["val"]
+    if any(not isinstance(d, int) for d in val.shape[1:]):
+        raise UnsupportedModelError(file, f"input shape {list(val.shape)} is dynamic beyond the batch")
+    dtype, shape = val.dtype, tuple(val.shape[1:])
+    # A batch exported static serves that batch only; a dynamic one (torch.export.Dim) serves any.
+    static_batch = val.shape[0] if isinstance(val.shape[0], int) else None
+    if static_batch is not None and (others := [b for b in batches if b != static_batch]):
+        raise ModelRegistrationError(
+            file,
+            f"was exported for batch {static_batch} only, so it cannot serve batch sizes {others}: "
+            "export with dynamic_shapes={'x': {0: torch.export.Dim('batch')}} or register batch "
+            f"{static_batch}",
+        )
+    if input_shape is not None and tuple(input_shape) != shape:
+        raise ModelRegistrationError(
+            file, f"was exported for input shape {list(shape)}, not {list(input_shape)}"
+        )
+    return _Source(file, eager, shape, dtype, program=program, static_batch=static_batch)
+
+
+def _from_factory(
+    factory: str, weights: Path | str | None, input_shape: Sequence[int] | None, input_dtype: str
+) -> _Source:
+    file = str(factory)
+    eager, factory_shape = call_factory(str(factory))
+    resolved = None
+    if weights is not None:
+        if not Path(weights).is_file():
+            raise ModelRegistrationError(str(weights), "no such file")
+        resolved = Path(weights).resolve()
+        load_weights(eager, resolved)
+    shape = tuple(input_shape) if input_shape is not None else factory_shape
+    if shape is None:
+        raise ModelRegistrationError(
+            file,
+            "no input shape: pass one, or have the factory return (module, shape) or set "
+            "module.example_input_shape",
+        )
+    return _Source(file, eager, shape, dtype_from_name(input_dtype), weights=resolved)
+
+
+def _lower_batches(
+    model_dir: Path, ref: str, source: _Source, batches: list[int], preset: str
+) -> tuple[list[BatchReport], int]:
+    """Lower, check and profile every batch into ``model_dir``: (a report each, the weight bytes)."""
+    reports, weight_bytes = [], 0
+    for batch in batches:
+        example = example_for(source.shape, source.dtype, batch)
+        exact = source.program is not None and batch == source.static_batch
+        plan = lower_for(source.file, ref, source.eager, example, source.program if exact else None)
+        diff = check_plan(source.file, plan, source.eager, example)
+        profile = profile_plan(plan)
+        plan_dir = model_dir / f"b{batch}_{'x'.join(map(str, source.shape))}"
+        plan.save(plan_dir)
+        (plan_dir / "memory_profile.json").write_text(profile.to_json())
+        weight_bytes = plan.weight_bytes
+        reports.append(
+            BatchReport(
+                batch=batch,
+                kernels=len(plan.kernels),
+                fallback_kernels=plan.fallback_count,
+                peak_live_bytes=profile.peak_eager,
+                modelled_s=sum(plan.kernel_seconds(preset)),
+                max_abs_diff=diff,
+            )
+        )
+    return reports, weight_bytes
+
+
 def register(
     root: Path | str,
     name: str,
@@ -227,68 +340,11 @@ def register(
     """Register the next version of ``name`` from a ``.pt2`` file or a factory; all or nothing."""
     root = Path(root)
     base, version = parse_ref(name)
-    if version is not None:
-        raise ValueError(f"give the name without a version ({base!r}); registration picks the next one")
-    if base in ZOO:
-        raise ValueError(f"{base!r} is a zoo model; register under another name")
-    if (pt2 is None) == (factory is None):
-        raise ValueError("give exactly one of a .pt2 file or a package.module:build factory")
-    if weights is not None and factory is None:
-        raise ValueError("weights go with a factory; a .pt2 file carries its own")
-    batches = sorted({int(b) for b in batches})
-    if not batches or batches[0] < 1:
-        raise ValueError(f"batch sizes must be positive integers, got {list(batches)}")
-
-    program, static_batch = None, None
+    sizes = _checked_batches(base, version, pt2, factory, weights, batches)
     if pt2 is not None:
-        file = str(Path(pt2).resolve())
-        if not Path(pt2).is_file():
-            raise ModelRegistrationError(file, "no such file")
-        try:
-            program = torch.export.load(pt2)
-        except Exception as error:
-            raise ModelRegistrationError(
-                file, f"not a torch.export.save file ({first_line(error)})"
-            ) from None
-        eager = program.module()
-        user_inputs = [
-            s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT
-        ]
-        if len(user_inputs) != 1:
-            raise UnsupportedModelError(file, f"the program takes {len(user_inputs)} tensor inputs, not one")
-        val = next(n for n in program.graph.nodes if n.name == user_inputs[0]).meta["val"]
-        if any(not isinstance(d, int) for d in val.shape[1:]):
-            raise UnsupportedModelError(file, f"input shape {list(val.shape)} is dynamic beyond the batch")
-        dtype, shape = val.dtype, tuple(val.shape[1:])
-        # A batch exported static serves that batch only; a dynamic one (torch.export.Dim) serves any.
-        static_batch = val.shape[0] if isinstance(val.shape[0], int) else None
-        if static_batch is not None and (others := [b for b in batches if b != static_batch]):
-            raise ModelRegistrationError(
-                file,
-                f"was exported for batch {static_batch} only, so it cannot serve batch sizes {others}: "
-                "export with dynamic_shapes={'x': {0: torch.export.Dim('batch')}} or register batch "
-                f"{static_batch}",
-            )
-        if input_shape is not None and tuple(input_shape) != shape:
-            raise ModelRegistrationError(
-                file, f"was exported for input shape {list(shape)}, not {list(input_shape)}"
-            )
+        source = _from_pt2(pt2, sizes, input_shape)
     else:
-        file = str(factory)
-        eager, factory_shape = call_factory(str(factory))
-        if weights is not None:
-            if not Path(weights).is_file():
-                raise ModelRegistrationError(str(weights), "no such file")
-            weights = Path(weights).resolve()
-            load_weights(eager, weights)
-        shape = tuple(input_shape) if input_shape is not None else factory_shape
-        if shape is None:
-            raise ModelRegistrationError(
-                file,
-                "no input shape: pass one, or have the factory return (module, shape) or set "
-                "module.example_input_shape",
-            )
-        dtype = dtype_from_name(input_dtype)
+        source = _from_factory(str(factory), weights, input_shape, input_dtype)
 
     root.mkdir(parents=True, exist_ok=True)
     number = (_versions(root, base) or [0])[-1] + 1
@@ -299,38 +355,18 @@ def register(
             shutil.copyfile(pt2, tmp / SOURCE_PT2)
             digest = _sha256(tmp / SOURCE_PT2)
         else:
-            save_model(eager, str(tmp / STATE_FILE))
+            save_model(source.eager, str(tmp / STATE_FILE))
             digest = _sha256(tmp / STATE_FILE)
-        reports, weight_bytes = [], 0
-        for batch in batches:
-            example = example_for(shape, dtype, batch)
-            exact = program is not None and batch == static_batch
-            plan = lower_for(file, ref, eager, example, program if exact else None)
-            diff = check_plan(file, plan, eager, example)
-            profile = profile_plan(plan)
-            plan_dir = tmp / f"b{batch}_{'x'.join(map(str, shape))}"
-            plan.save(plan_dir)
-            (plan_dir / "memory_profile.json").write_text(profile.to_json())
-            weight_bytes = plan.weight_bytes
-            reports.append(
-                BatchReport(
-                    batch=batch,
-                    kernels=len(plan.kernels),
-                    fallback_kernels=plan.fallback_count,
-                    peak_live_bytes=profile.peak_eager,
-                    modelled_s=sum(plan.kernel_seconds(preset)),
-                    max_abs_diff=diff,
-                )
-            )
+        reports, weight_bytes = _lower_batches(tmp, ref, source, sizes, preset)
         record = ModelRecord(
             name=base,
             version=number,
             source_kind="pt2" if pt2 is not None else "factory",
-            source=file,
+            source=source.file,
             source_sha256=digest,
-            weights=str(weights) if weights is not None else None,
-            input_shape=list(shape),
-            input_dtype=dtype_name(dtype),
+            weights=str(source.weights) if source.weights is not None else None,
+            input_shape=list(source.shape),
+            input_dtype=dtype_name(source.dtype),
             weight_bytes=weight_bytes,
             preset=preset,
             lowered_at=datetime.now(UTC).isoformat(timespec="seconds"),

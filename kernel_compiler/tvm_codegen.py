@@ -24,7 +24,7 @@ import tvm_ffi
 from tvm import ir, tirx
 from tvm.tirx.build import codegen_build, split_host_device_mods
 
-from .ptb import CAP_PARAM, PTBError, audit_shared_sync, cap_param_last, nests_of, written_params
+from .ptb import CAP_PARAM, Nest, PTBError, audit_shared_sync, cap_param_last, nests_of, written_params
 
 #: Caps at which each PTB kernel's physical grid is checked to be min(V, cap).
 _CHECK_CAPS = (1, 2, 3, 7, 64)
@@ -129,6 +129,130 @@ def _static_shared(device_func: tirx.PrimFunc) -> int:
     return total[0]
 
 
+def _launch_params(kname: str, call: Any, n_args: int) -> dict[str, Any]:
+    """A kernel's launch parameters (``blockIdx.x``, ``threadIdx.x``, ...) by name, as host expressions."""
+    launch_names = [str(s) for s in call.attrs.launch_params]
+    values = list(call.args[1 + n_args :])
+    if len(values) != len(launch_names):
+        raise CodegenError(f"{kname}: {len(values)} launch values for {launch_names}")
+    return dict(zip(launch_names, values, strict=True))
+
+
+def _ptb_original_grid(
+    kname: str, launch: dict[str, Any], uncapped: dict[str, int], grid: list[int], nest: Nest | None
+) -> list[int]:
+    """The schedule's grid of a PTB kernel, once its launch is checked: a 1-D grid of the nest's
+    virtual blocks, ``min(V, cap)`` physical blocks, and nothing else depending on the cap."""
+    if grid[1] != 1 or grid[2] != 1:
+        raise CodegenError(f"{kname}: PTB kernel with a {grid} grid")
+    original = list(nest.grid) if nest is not None else [1, 1, 1]
+    if math.prod(original) != grid[0]:
+        raise CodegenError(f"{kname}: {grid[0]} virtual blocks, original grid {original}")
+    for cap in _CHECK_CAPS:
+        phys = _evaluate(launch.get("blockIdx.x", tirx.IntImm("int32", 1)), cap)
+        if phys != min(grid[0], cap):
+            raise CodegenError(f"{kname}: physical grid {phys} at cap {cap}, virtual {grid[0]}")
+    for k, v in launch.items():
+        if k != "blockIdx.x" and _evaluate(v, 1) != uncapped[k]:
+            raise CodegenError(f"{kname}: launch parameter {k} depends on the cap")
+    return original
+
+
+def _shared_sync(kname: str, dev: tirx.PrimFunc) -> dict[str, Any]:
+    """The PTB kernel's shared-memory synchronisation audit (``ptb.audit_shared_sync``), which must pass."""
+    audit = audit_shared_sync(dev)
+    if not audit.ok:
+        raise CodegenError(f"{kname}: {audit.detail}")
+    return {"ptb_loops": audit.ptb_loops, "shared_stores": audit.shared_stores, "ok": audit.ok}
+
+
+def _param_order(kname: str, dev: tirx.PrimFunc, prim: tirx.PrimFunc) -> list[int]:
+    """For each parameter of a (non-PTB) device kernel, the index of the PrimFunc parameter it is."""
+    order = []
+    for p in dev.params:
+        base = p.name[: -len("_ptr")] if p.name.endswith("_ptr") else p.name
+        idx = next((j for j, q in enumerate(prim.params) if q.name == base), None)
+        if idx is None:
+            raise CodegenError(f"{kname}: parameter {p.name} matches no PrimFunc parameter")
+        order.append(idx)
+    return order
+
+
+def _kernel_args(
+    params: list[dict[str, Any]], order: list[int], ptb: bool
+) -> tuple[list[dict[str, Any]], int | None]:
+    """(the kernel's argument descriptions in launch order, the index of the cap among them or None)."""
+    args = [{k: v for k, v in params[j].items() if k != "output"} for j in order]
+    if not ptb:
+        return args, None
+    args.append({"name": CAP_PARAM, "kind": "cap", "dtype": "int32", "shape": [], "param_index": -1})
+    return args, len(args) - 1
+
+
+def _describe_kernel(
+    call: Any,
+    prim_name: str,
+    prim: tirx.PrimFunc,
+    params: list[dict[str, Any]],
+    nest: Nest | None,
+    dev_mod: tvm.IRModule,
+    ptb: bool,
+) -> tuple[KernelInfo, tirx.PrimFunc]:
+    """One kernel launched by ``prim``'s host code: its description and its device function (with the
+    cap moved last for PTB kernels)."""
+    kname = str(call.args[0]).strip('"')
+    dev = dev_mod[kname]
+    launch = _launch_params(kname, call, len(dev.params))
+    uncapped = {k: _evaluate(v, _UNCAPPED) for k, v in launch.items()}
+    block = [uncapped.get(f"threadIdx.{a}", 1) for a in "xyz"]
+    grid = [uncapped.get(f"blockIdx.{a}", 1) for a in "xyz"]
+    dyn = uncapped.get("tirx.use_dyn_shared_memory", 0)
+    if ptb:
+        original = _ptb_original_grid(kname, launch, uncapped, grid, nest)
+        dev, order = cap_param_last(dev, prim)
+        sync = _shared_sync(kname, dev)
+    else:
+        original = grid
+        order = _param_order(kname, dev, prim)
+        sync = {}
+    args, cap_arg = _kernel_args(params, order, ptb)
+    info = KernelInfo(
+        name=kname,
+        prim_func=prim_name,
+        grid=grid,
+        original_grid=original,
+        block=block,
+        dynamic_shared_mem=dyn,
+        static_shared_mem=_static_shared(dev),
+        args=args,
+        cap_arg=cap_arg,
+        ptb=ptb,
+        shared_sync=sync,
+    )
+    return info, dev
+
+
+def _describe_prim_func(
+    name: str, prim: tirx.PrimFunc, host_mod: tvm.IRModule, dev_mod: tvm.IRModule, ptb: bool
+) -> tuple[list[dict[str, Any]], list[tuple[KernelInfo, tirx.PrimFunc]]]:
+    """(``name``'s parameter descriptions, each kernel its host code launches, in order, with its
+    device function)."""
+    outputs = set(written_params(prim))
+    params = [_param_desc(p, i, outputs) for i, p in enumerate(prim.params)]
+    host = host_mod[name]
+    if ptb and not any(p.name == CAP_PARAM for p in prim.params):
+        raise CodegenError(f"{name} has no {CAP_PARAM} parameter: run the PTB pass first")
+    nests = nests_of(prim)
+    calls = _kernel_calls(host)
+    if ptb and len(calls) != len(nests) and nests:
+        raise CodegenError(f"{name}: {len(calls)} kernels for {len(nests)} PTB nests")
+    launched = [
+        _describe_kernel(call, name, prim, params, nests[i] if ptb and nests else None, dev_mod, ptb)
+        for i, call in enumerate(calls)
+    ]
+    return params, launched
+
+
 def lower_to_cuda(
     prim_funcs: dict[str, tirx.PrimFunc], target: tvm.target.Target, *, ptb: bool = True
 ) -> CudaSource:
@@ -149,88 +273,11 @@ def lower_to_cuda(
         funcs: dict[str, dict[str, Any]] = {}
         new_device: dict[str, tirx.PrimFunc] = {}
         for name, prim in prim_funcs.items():
-            outputs = set(written_params(prim))
-            params = [_param_desc(p, i, outputs) for i, p in enumerate(prim.params)]
-            host = host_mod[name]
-            if ptb and not any(p.name == CAP_PARAM for p in prim.params):
-                raise CodegenError(f"{name} has no {CAP_PARAM} parameter: run the PTB pass first")
-            nests = nests_of(prim)
-            calls = _kernel_calls(host)
-            if ptb and len(calls) != len(nests) and nests:
-                raise CodegenError(f"{name}: {len(calls)} kernels for {len(nests)} PTB nests")
-            names: list[str] = []
-            for i, call in enumerate(calls):
-                kname = str(call.args[0]).strip('"')
-                dev = dev_mod[kname]
-                n_args = len(dev.params)
-                launch_names = [str(s) for s in call.attrs.launch_params]
-                values = list(call.args[1 + n_args :])
-                if len(values) != len(launch_names):
-                    raise CodegenError(f"{kname}: {len(values)} launch values for {launch_names}")
-                launch = dict(zip(launch_names, values, strict=True))
-                uncapped = {k: _evaluate(v, _UNCAPPED) for k, v in launch.items()}
-                block = [uncapped.get(f"threadIdx.{a}", 1) for a in "xyz"]
-                grid = [uncapped.get(f"blockIdx.{a}", 1) for a in "xyz"]
-                dyn = uncapped.get("tirx.use_dyn_shared_memory", 0)
-                if ptb:
-                    if grid[1] != 1 or grid[2] != 1:
-                        raise CodegenError(f"{kname}: PTB kernel with a {grid} grid")
-                    original = list(nests[i].grid) if nests else [1, 1, 1]
-                    if math.prod(original) != grid[0]:
-                        raise CodegenError(f"{kname}: {grid[0]} virtual blocks, original grid {original}")
-                    for cap in _CHECK_CAPS:
-                        phys = _evaluate(launch.get("blockIdx.x", tirx.IntImm("int32", 1)), cap)
-                        if phys != min(grid[0], cap):
-                            raise CodegenError(
-                                f"{kname}: physical grid {phys} at cap {cap}, virtual {grid[0]}"
-                            )
-                    for k, v in launch.items():
-                        if k != "blockIdx.x" and _evaluate(v, 1) != uncapped[k]:
-                            raise CodegenError(f"{kname}: launch parameter {k} depends on the cap")
-                    dev, order = cap_param_last(dev, prim)
-                    audit = audit_shared_sync(dev)
-                    sync = {
-                        "ptb_loops": audit.ptb_loops,
-                        "shared_stores": audit.shared_stores,
-                        "ok": audit.ok,
-                    }
-                    if not audit.ok:
-                        raise CodegenError(f"{kname}: {audit.detail}")
-                else:
-                    original = grid
-                    order = []
-                    for p in dev.params:
-                        base = p.name[: -len("_ptr")] if p.name.endswith("_ptr") else p.name
-                        idx = next((j for j, q in enumerate(prim.params) if q.name == base), None)
-                        if idx is None:
-                            raise CodegenError(f"{kname}: parameter {p.name} matches no PrimFunc parameter")
-                        order.append(idx)
-                    sync = {}
-                args = [{k: v for k, v in params[j].items() if k != "output"} for j in order]
-                cap_arg = None
-                if ptb:
-                    args.append(
-                        {"name": CAP_PARAM, "kind": "cap", "dtype": "int32", "shape": [], "param_index": -1}
-                    )
-                    cap_arg = len(args) - 1
-                new_device[kname] = dev
-                names.append(kname)
-                kernels.append(
-                    KernelInfo(
-                        name=kname,
-                        prim_func=name,
-                        grid=grid,
-                        original_grid=original,
-                        block=block,
-                        dynamic_shared_mem=dyn,
-                        static_shared_mem=_static_shared(dev),
-                        args=args,
-                        cap_arg=cap_arg,
-                        ptb=ptb,
-                        shared_sync=sync,
-                    )
-                )
-            funcs[name] = {"params": params, "kernels": names}
+            params, launched = _describe_prim_func(name, prim, host_mod, dev_mod, ptb)
+            for info, dev in launched:
+                new_device[info.name] = dev
+                kernels.append(info)
+            funcs[name] = {"params": params, "kernels": [info.name for info, _ in launched]}
         t2 = time.perf_counter()
         unknown = {gv.name_hint for gv in dev_mod.functions} - set(new_device)
         if unknown:

@@ -193,6 +193,84 @@ def _tensor_desc(ty: Any) -> dict[str, Any]:
     return {"shape": shape, "dtype": str(ty.dtype)}
 
 
+@dataclass
+class _GraphNames:
+    """The tensor names ``describe_graph`` gives Relax expressions as it walks ``main`` in order."""
+
+    names: dict[Any, str] = field(default_factory=dict)  # Relax var -> tensor name
+    tuples: dict[Any, list[str]] = field(default_factory=dict)  # Relax tuple var -> its tensors' names
+    taken: set[str] = field(default_factory=set)
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"shape", "dtype"}
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    const_names: dict[Any, str] = field(default_factory=dict)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.taken:
+            name, i = f"{base}_{i}", i + 1
+        self.taken.add(name)
+        return name
+
+    def name_of(self, expr: Any) -> str | list[str]:
+        if isinstance(expr, tvm.ir.GenericConst):
+            return self._constant(expr)
+        if expr in self.tuples:
+            return self.tuples[expr]
+        if expr in self.names:
+            return self.names[expr]
+        raise KeyError(f"unbound Relax expression {type(expr).__name__}")
+
+    def _constant(self, expr: Any) -> str:
+        """The name of a folded constant, recording its value the first time it is seen."""
+        if expr in self.const_names:
+            return self.const_names[expr]
+        name = self.fresh(f"const_{len(self.constants)}")
+        value = expr.value
+        arr = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+        self.constants[name] = arr
+        self.const_names[expr] = name
+        self.tensors[name] = {"shape": list(arr.shape), "dtype": str(arr.dtype)}
+        return name
+
+    def bind(self, var: Any, value: Any, call_tir: Any) -> None:
+        """Name what one binding of ``main`` computes; a call_tir becomes a kernel call."""
+        if isinstance(value, relax.Call) and value.op.same_as(call_tir):
+            self._call(var, value)
+        elif isinstance(value, relax.Tuple):
+            self.tuples[var] = [self.name_of(f) for f in value.fields]
+        elif isinstance(value, relax.TupleGetItem) and value.tuple_value in self.tuples:
+            self.names[var] = self.tuples[value.tuple_value][value.index]
+        elif isinstance(value, relax.Var) and value in self.names:
+            self.names[var] = self.names[value]
+        else:
+            self.unsupported.append(f"{var.name} = {type(value).__name__}")
+
+    def _call(self, var: Any, call: Any) -> None:
+        args = [self.name_of(a) for a in call.args[1].fields]
+        out_ty = call.ty_args[0]
+        if isinstance(out_ty, relax.TupleType):
+            outs = [self.fresh(f"{var.name}.{i}") for i in range(len(out_ty.fields))]
+            for o, t in zip(outs, out_ty.fields, strict=True):
+                self.tensors[o] = _tensor_desc(t)
+            self.tuples[var] = outs
+        else:
+            outs = [self.fresh(var.name)]
+            self.tensors[outs[0]] = _tensor_desc(out_ty)
+            self.names[var] = outs[0]
+        self.calls.append({"func": call.args[0].name_hint, "args": args, "outputs": outs})
+
+    def outputs(self, ret: Any) -> list[str]:
+        """The names of what ``main`` returns; none (and an unsupported entry) when it is not named."""
+        try:
+            out = self.name_of(ret)
+        except KeyError:
+            self.unsupported.append("return value")
+            return []
+        return out if isinstance(out, list) else [out]
+
+
 def describe_graph(
     mod: tvm.IRModule, param_names: dict[str, str]
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -205,88 +283,29 @@ def describe_graph(
     """
     main = mod["main"]
     call_tir = tvm.ir.Op.get("relax.call_tir")
-    names: dict[Any, str] = {}
-    taken: set[str] = set()
-    tensors: dict[str, dict[str, Any]] = {}
-    constants: dict[str, np.ndarray] = {}
-    const_names: dict[Any, str] = {}
-    tuples: dict[Any, list[str]] = {}
-    unsupported: list[str] = []
-
-    def fresh(base: str) -> str:
-        name, i = base, 1
-        while name in taken:
-            name, i = f"{base}_{i}", i + 1
-        taken.add(name)
-        return name
-
-    def name_of(expr: Any) -> str | list[str]:
-        if isinstance(expr, tvm.ir.GenericConst):
-            if expr in const_names:
-                return const_names[expr]
-            name = fresh(f"const_{len(constants)}")
-            value = expr.value
-            arr = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-            constants[name] = arr
-            const_names[expr] = name
-            tensors[name] = {"shape": list(arr.shape), "dtype": str(arr.dtype)}
-            return name
-        if expr in tuples:
-            return tuples[expr]
-        if expr in names:
-            return names[expr]
-        raise KeyError(f"unbound Relax expression {type(expr).__name__}")
-
+    walk = _GraphNames()
     inputs: list[str] = []
     weights: dict[str, str] = {}
     for p in main.params:
-        n = fresh(p.name)
-        names[p] = n
-        tensors[n] = _tensor_desc(p.ty)
+        n = walk.fresh(p.name)
+        walk.names[p] = n
+        walk.tensors[n] = _tensor_desc(p.ty)
         if p.name in param_names:
             weights[n] = param_names[p.name]
         else:
             inputs.append(n)
-
-    calls: list[dict[str, Any]] = []
     for block in main.body.blocks:
         for b in block.bindings:
-            v = b.value
-            if isinstance(v, relax.Call) and v.op.same_as(call_tir):
-                args = [name_of(a) for a in v.args[1].fields]
-                out_ty = v.ty_args[0]
-                if isinstance(out_ty, relax.TupleType):
-                    outs = [fresh(f"{b.var.name}.{i}") for i in range(len(out_ty.fields))]
-                    for o, t in zip(outs, out_ty.fields, strict=True):
-                        tensors[o] = _tensor_desc(t)
-                    tuples[b.var] = outs
-                else:
-                    outs = [fresh(b.var.name)]
-                    tensors[outs[0]] = _tensor_desc(out_ty)
-                    names[b.var] = outs[0]
-                calls.append({"func": v.args[0].name_hint, "args": args, "outputs": outs})
-            elif isinstance(v, relax.Tuple):
-                tuples[b.var] = [name_of(f) for f in v.fields]
-            elif isinstance(v, relax.TupleGetItem) and v.tuple_value in tuples:
-                names[b.var] = tuples[v.tuple_value][v.index]
-            elif isinstance(v, relax.Var) and v in names:
-                names[b.var] = names[v]
-            else:
-                unsupported.append(f"{b.var.name} = {type(v).__name__}")
-    ret = main.body.body
-    try:
-        out = name_of(ret)
-        outputs = out if isinstance(out, list) else [out]
-    except KeyError:
-        outputs, unsupported = [], [*unsupported, "return value"]
+            walk.bind(b.var, b.value, call_tir)
+    outputs = walk.outputs(main.body.body)
     graph = {
         "inputs": inputs,
         "weights": weights,
-        "constants": {n: tensors[n] for n in constants},
-        "tensors": tensors,
-        "calls": calls,
+        "constants": {n: walk.tensors[n] for n in walk.constants},
+        "tensors": walk.tensors,
+        "calls": walk.calls,
         "outputs": outputs,
-        "complete": not unsupported,
-        "unsupported": unsupported,
+        "complete": not walk.unsupported,
+        "unsupported": walk.unsupported,
     }
-    return graph, constants
+    return graph, walk.constants

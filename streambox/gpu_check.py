@@ -18,29 +18,30 @@ Without a GPU it says so in one line and exits 0. `calibrate` is the measuring s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from streambox.api_proxy.device_tensor import DeviceTensor, upload_tensor
-from streambox.api_proxy.executor import DeviceModel, PlanExecutor, RunResult, free_model, upload_model
-from streambox.api_proxy.profiling import measure_kernel_runtimes
+from streambox.api_proxy.device_tensor import DeviceTensor
+from streambox.api_proxy.executor import DeviceModel, PlanExecutor, RunResult
+from streambox.api_proxy.profiling import measure_plan_on_device
 from streambox.device import Backend, Runtime, Stream
 from streambox.kernel_compiler import cost_model
 from streambox.kernel_compiler.calibration import CalibrationTable, write_calibration
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.plan import KernelPlan
-from streambox.kernel_compiler.zoo import ZOO, example_input
-from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig
+from streambox.kernel_compiler.zoo import ZOO
+from streambox.memory_pool.pool import DeviceMemoryPool
 
 #: Replay of the check: a few trace minutes, compressed; enough to see both systems serve on the GPU.
 REPLAY_ARGS = ("--workflow", "traffic", "--minutes", "6", "--minute-seconds", "5", "--scale", "0.25")
@@ -93,25 +94,12 @@ class _GatedExecutor(PlanExecutor):
 def measure_kernel_seconds(runtime: Runtime, plan: KernelPlan, *, repeats: int = 5) -> list[float]:
     """Every kernel's time on `runtime` (0.0 for views): events around each kernel of the executor's
     profiled run, median of `repeats` after a warm-up; on CUDA each run waits behind a gate kernel."""
-    pool = DeviceMemoryPool(runtime, PoolConfig(metrics=False))
-    stream = runtime.create_stream()
-    try:
-        model = upload_model(runtime, plan, pool, stream)
-        example = example_input(plan.model, plan.batch, tuple(plan.input_shape))
-        x = upload_tensor(runtime, example, pool.allocate, stream)
-        if runtime.properties().backend == "cuda":
-            gate_s = GATE_S_PER_KERNEL * len(plan.kernels) + 0.02
-            executor: PlanExecutor = _GatedExecutor(runtime, pool, gate_s)
-        else:  # the emulated device runs each kernel on its stream's worker: nothing to gate
-            executor = PlanExecutor(runtime, pool)
-        seconds = measure_kernel_runtimes(executor, model, {plan.inputs[0]: x}, stream, repeats=repeats)
-        pool.free(x.address, stream)
-        free_model(model, pool, stream)
-        stream.synchronize()
-    finally:
-        pool.close()
-        stream.destroy()
-    return seconds
+    executor: Callable[[Runtime, DeviceMemoryPool], PlanExecutor] = PlanExecutor
+    if runtime.properties().backend == "cuda":
+        gate_s = GATE_S_PER_KERNEL * len(plan.kernels) + 0.02
+        executor = functools.partial(_GatedExecutor, gate_s=gate_s)
+    # the emulated device runs each kernel on its stream's worker: nothing to gate
+    return measure_plan_on_device(runtime, plan, repeats=repeats, executor=executor)
 
 
 def calibrate(
