@@ -130,14 +130,14 @@ def test_a_bundled_workflow_takes_a_png_body_and_a_multipart_upload(make_invoker
     assert refused[0] == 400 and "not a JPEG or PNG" in refused[1]["error"]
 
 
-def test_invoke_command_sends_an_image_file(tmp_path, make_invoker, run, capsys, monkeypatch):
+def test_invoke_command_sends_an_image_file(tmp_path, make_invoker, run, capsys):
     (tmp_path / "image_handlers.py").write_text(
         "from streambox.workflows.image_input import decode_image_field\n"
         "def size(ctx, event):\n"
         "    return {'shape': list(decode_image_field(event['image']).shape), 'tag': event.get('tag')}\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    spec = parse_spec("name: sizes\nslo_ms: 50\nfunctions:\n  size: {handler: image_handlers:size}\n")
+    text = "name: sizes\nslo_ms: 50\nfunctions:\n  size: {handler: image_handlers:size}\n"
+    spec = parse_spec(text, str(tmp_path / "sizes.yaml"), base_dir=tmp_path)  # its code: the folder
     photo, event = tmp_path / "photo.png", tmp_path / "event.json"
     photo.write_bytes(_png(_image()))
     event.write_text(json.dumps({"tag": "mine"}))
