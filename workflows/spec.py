@@ -10,7 +10,7 @@ The schema (every key is checked; unknown keys are errors)::
     functions:
       detect:                     # function name, same pattern as `name`
         handler: streambox.workflows.examples.traffic:detect   # module:function
-        models: [ssdlite320_mobilenet_v3]                      # zoo models it infers with
+        models: [ssdlite320_mobilenet_v3]                      # zoo or registered models it infers with
         batch_size: 1             # batch its model plans are lowered for
         max_instances: 4          # at most this many invocations of it run at once
         timeout_ms: 10000         # optional: one invocation's limit
@@ -67,7 +67,9 @@ class _Strict(BaseModel):
 
 class FunctionSpec(_Strict):
     handler: HandlerRef = Field(description="the handler as module:function")
-    models: list[str] = Field(default_factory=list, description="zoo models the handler infers with")
+    models: list[str] = Field(
+        default_factory=list, description="zoo or registered models the handler infers with"
+    )
     batch_size: int = Field(1, ge=1, le=1024, description="batch the model plans are lowered for")
     max_instances: int = Field(DEFAULT_MAX_INSTANCES, ge=1, le=1024, description="concurrency limit")
     timeout_ms: float | None = Field(None, gt=0, description="one invocation's time limit")
