@@ -110,7 +110,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from streambox.device.modes import describe_device_mode
 
     from .report import print_run
-    from .run import run_comparison, run_replay
+    from .run import replay_device_mode, run_comparison, run_replay
 
     systems = _csv([args.system])
     explicit = _pairs(args.map, "--map")
@@ -138,10 +138,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
     )
-    from streambox.config import Config
-
-    mode = options["system_options"].get("device_mode") or Config.from_env(device_mode="timed").device_mode
-    print(describe_device_mode(str(mode)), flush=True)
+    print(describe_device_mode(replay_device_mode(options["system_options"])), flush=True)
     if len(systems) > 1:
         run_comparison(systems, out=args.out or "runs/compare", trace=args.trace, **options)
         return 0

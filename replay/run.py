@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
@@ -263,15 +263,15 @@ def execute(config: ReplayConfig, target: Target | None = None) -> RunResult:
 async def execute_async(config: ReplayConfig, target: Target | None = None) -> RunResult:
     """`execute` for callers that already run an event loop. The run's device mode is exported to the
     environment while it runs, so that every process the system starts follows it."""
-    with device_mode_env(replay_device_mode(config)):
+    with device_mode_env(replay_device_mode(config.system_options)):
         return await _execute(config, target)
 
 
-def replay_device_mode(config: ReplayConfig) -> str:
-    """The run's device mode: its `device_mode` option, else the environment's, else timed."""
+def replay_device_mode(system_options: Mapping[str, Any]) -> str:
+    """A replay's device mode: its `device_mode` option, else the environment's, else timed."""
     from .systems import REPLAY_DEVICE_DEFAULTS  # systems registers targets, which import this module
 
-    given = config.system_options.get("device_mode")
+    given = system_options.get("device_mode")
     return str(given) if given else Config.from_env(**REPLAY_DEVICE_DEFAULTS).device_mode
 
 
@@ -291,7 +291,7 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
     described = {
         "config": config.model_dump(mode="json"),
         "label": config.label,
-        "device_mode": replay_device_mode(config),
+        "device_mode": replay_device_mode(config.system_options),
         "workload": _describe_workload(config, workload),
         "system_config": target.describe(),
         "versions": _versions(),
