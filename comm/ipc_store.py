@@ -42,6 +42,7 @@ from .baselines import _sleep as busy_wait
 from .config import StoreConfig
 from .errors import CommError, GetTimeout, KeyExists, StoreClosed
 from .handle import DeviceTensorLike, Handle, StoreStats, Transport, span_bytes
+from .store_protocol import PutWatchers, check_put_args, tensor_layout
 from .tables import HOST, Location, dtype_name
 
 #: Keys remembered after they left, to say why in a GET timeout.
@@ -136,7 +137,7 @@ class IpcStore:
         self._gone: dict[str, str] = {}
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(1)
-        self._watchers: dict[str, list[Callable[[], None]]] = {}
+        self._watchers = PutWatchers(self._cond)
         self._unfreed: list[_Block] = []  # retired device blocks waiting for their readers' work
         self._used = dict.fromkeys(self._rt, 0)
         self._host_used = 0
@@ -228,10 +229,7 @@ class IpcStore:
         `stream`) into a fresh allocation and export it; to host memory when the GPU is full. The
         producer keeps its buffer."""
         self._check_open()
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"keys are non-empty strings, got {key!r}")
-        if consumers is not None and (not isinstance(consumers, int) or consumers < 1):
-            raise ValueError(f"PUT {key!r}: consumers must be a positive int or None, got {consumers!r}")
+        check_put_args(key, consumers)
         quota.check_ttl(self.config.quota, key, ttl)
         gpu = min(self._rt) if device is None else device
         self.runtime(gpu)
@@ -261,7 +259,7 @@ class IpcStore:
             self._gone.pop(key, None)
             self.stats.puts += 1
             self._cond.notify_all()
-            watchers = self._watchers.pop(key, [])
+            watchers = self._watchers.take(key)
         for callback in watchers:  # outside the lock: a callback may GET the key at once
             callback()
         self._reap()
@@ -279,14 +277,7 @@ class IpcStore:
             n = value.numel() * value.element_size()
             shape, strides, dtype, src = tuple(value.shape), tuple(value.stride()), value.dtype, None
         else:
-            try:
-                src, dtype = int(value.address), value.dtype
-                shape, strides = tuple(int(d) for d in value.shape), tuple(int(s) for s in value.strides)
-            except AttributeError as exc:
-                raise TypeError(
-                    f"PUT {key!r}: expected a CPU tensor or a device tensor (address, dtype, shape, "
-                    f"strides, nbytes), got {type(value).__name__}"
-                ) from exc
+            src, dtype, shape, strides = tensor_layout(key, value)
             n = span_bytes(shape, strides, dtype.itemsize)
         on = stream if stream is not None and src is not None else self._copy_streams[gpu]
         try:
@@ -325,22 +316,7 @@ class IpcStore:
 
     def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback()` once after the next PUT of `key` (at once if it is here); returns a cancel."""
-        with self._cond:
-            present = key in self._entries
-            if not present:
-                self._watchers.setdefault(key, []).append(callback)
-        if present:
-            callback()
-
-        def cancel() -> None:
-            with self._cond:
-                waiting = self._watchers.get(key)
-                if waiting and callback in waiting:
-                    waiting.remove(callback)
-                    if not waiting:
-                        del self._watchers[key]
-
-        return cancel
+        return self._watchers.watch(key, callback, lambda: key in self._entries)
 
     # -- GET ------------------------------------------------------------------------------------
     def get(

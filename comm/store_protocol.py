@@ -13,6 +13,7 @@ at once with `release_owner(owner)`; `watch(key, callback)` is the non-blocking 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -77,3 +78,61 @@ class Store(Protocol):
 def adopted(location: Location, tensor: DeviceTensorLike, device: int) -> bool:
     """Whether a PUT of `tensor` on GPU `device` left the store holding the producer's bytes themselves."""
     return location.device == device and location.address == int(tensor.address)
+
+
+# -- what both stores share ----------------------------------------------------------------------
+def check_put_args(key: object, consumers: object) -> None:
+    """A PUT's key (a non-empty string) and consumers (a positive int, or None)."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"keys are non-empty strings, got {key!r}")
+    if consumers is not None and (not isinstance(consumers, int) or consumers < 1):
+        raise ValueError(f"PUT {key!r}: consumers must be a positive int or None, got {consumers!r}")
+
+
+Layout = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]
+
+
+def tensor_layout(key: str, value: DeviceTensorLike) -> Layout:
+    """(address, dtype, shape, strides) of a device tensor a PUT was given, or a TypeError naming it."""
+    try:
+        address, dtype = int(value.address), value.dtype
+        shape, strides = tuple(int(d) for d in value.shape), tuple(int(s) for s in value.strides)
+    except AttributeError as exc:
+        raise TypeError(
+            f"PUT {key!r}: expected a CPU tensor or a device tensor (address, dtype, shape, strides, "
+            f"nbytes), got {type(value).__name__}"
+        ) from exc
+    return address, dtype, shape, strides
+
+
+class PutWatchers:
+    """One-shot notifications of a key's next PUT (`Store.watch`), kept under the store's lock."""
+
+    def __init__(self, lock: threading.Condition) -> None:
+        self._lock = lock
+        self._by_key: dict[str, list[Callable[[], None]]] = {}
+
+    def watch(
+        self, key: str, callback: Callable[[], None], present: Callable[[], bool]
+    ) -> Callable[[], None]:
+        """Call `callback()` after the next PUT of `key`, or at once if `present()`; returns a cancel."""
+        with self._lock:
+            here = present()
+            if not here:
+                self._by_key.setdefault(key, []).append(callback)
+        if here:
+            callback()
+
+        def cancel() -> None:
+            with self._lock:
+                waiting = self._by_key.get(key)
+                if waiting and callback in waiting:
+                    waiting.remove(callback)
+                    if not waiting:
+                        del self._by_key[key]
+
+        return cancel
+
+    def take(self, key: str) -> list[Callable[[], None]]:
+        """The callbacks of `key`'s PUT (under the lock; call them outside it)."""
+        return self._by_key.pop(key, [])
