@@ -38,6 +38,7 @@ from streambox.api_proxy.control import ProxyProcess, launch_proxy  # noqa: E402
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig  # noqa: E402
 from streambox.comm.ipc_store import IpcCosts  # noqa: E402
 from streambox.device.emulated import EmulatedBackend  # noqa: E402
+from streambox.device.specs import V100_16GB  # noqa: E402
 
 MB = 1_000_000
 SIZES_MB = (1, 16, 125)
@@ -139,6 +140,18 @@ def measure(repeats: int, sizes_mb: tuple[int, ...] = SIZES_MB) -> list[dict[str
     return rows
 
 
+def modelled_ipc_extra(n: int, condition: str) -> float:
+    """What the IPC store adds to a transfer by the models (seconds): its driver calls and copies.
+    Free GPU: cudaMalloc + export + open + close + cudaFree, and a device-to-device copy. Full GPU:
+    a failed cudaMalloc, export, the device-to-host and host-to-device pageable copies, the reader's
+    cudaMalloc and cudaFree (no handle is opened for host data)."""
+    costs, link = IpcCosts(), V100_16GB.link
+    if condition == "free":
+        host = costs.malloc_s + costs.ipc.export_s + costs.ipc.open_s + costs.ipc.close_s + costs.free_s
+        return host + n / link.device_bandwidth
+    return 2 * costs.malloc_s + costs.ipc.export_s + costs.free_s + 2 * link.copy_seconds(n, pinned=False)
+
+
 def print_rows(rows: list[dict[str, Any]], repeats: int) -> None:
     def ms(s: float) -> str:
         return f"{s * 1e3:.2f}"
@@ -152,12 +165,14 @@ def print_rows(rows: list[dict[str, Any]], repeats: int) -> None:
         for r in (base, row):
             table.append([f"{r['size_mb']} MB", r["condition"], r["store"], ms(r["put_s"]), ms(r["get_s"]),
                           ms(r["put_get_s"]), f"{r['put_get_s'] / base['put_get_s']:.2f}x",
-                          ",".join(f"{t}:{c}" for t, c in r["gets"].items()), r["spills"]])
+                          ",".join(f"{t}:{c}" for t, c in r["gets"].items()), r["spills"],
+                          ms(modelled_ipc_extra(r["size_mb"] * MB, r["condition"])) if r is row else "-"])
     costs = IpcCosts()
     modelled = costs.malloc_s + costs.ipc.export_s + costs.ipc.open_s + costs.ipc.close_s + costs.free_s
     print_table(
         f"PUT+GET through the proxy, median of {repeats} (ms, measured; timed emulated V100)",
-        ["size", "GPU", "store", "put", "get", "put+get", "vs managed", "GETs by transport", "spills"],
+        ["size", "GPU", "store", "put", "get", "put+get", "vs managed", "GETs by transport", "spills",
+         "ipc extra, modelled"],
         table,
     )
     print(f"IPC store's modelled host calls per transfer: {modelled * 1e6:.0f} us ({costs.label})")
