@@ -164,6 +164,7 @@ class IpcStore:
 
     def keys(self) -> list[str]:
         self._expire()
+        self._reap()
         with self._cond:
             return list(self._entries)
 
@@ -184,8 +185,12 @@ class IpcStore:
         self.stats.device_alloc_bytes += nbytes
         return _Block(gpu, address, None, nbytes, stored)
 
-    def _retire(self, block: _Block) -> None:
-        """No key refers to `block` (under the lock): it goes once its leases are back."""
+    def _retire(self, entry: _Entry) -> None:
+        """No key refers to `entry`'s block (under the lock): it goes once its leases are back, after
+        the PUT's copy into it."""
+        block = entry.block
+        if entry.ready is not None:
+            block.waits.append(entry.ready)
         block.retired = True
         if block.leases == 0:
             self._unfreed.append(block)
@@ -251,7 +256,7 @@ class IpcStore:
                 usage = quota.Usage(held, len(self._entries) + (old is None), self._host_used)
                 quota.check_put(self.config.quota, key, entry.nbytes, usage)
             except CommError:
-                self._retire(entry.block)
+                self._retire(entry)
                 raise
             if old is not None:
                 self._remove(old, "overwritten")
@@ -443,7 +448,7 @@ class IpcStore:
             self._gone[entry.key] = why
             if len(self._gone) > GONE_MEMORY:
                 self._gone.pop(next(iter(self._gone)))
-        self._retire(entry.block)
+        self._retire(entry)
 
     def delete(self, key: str) -> bool:
         with self._cond:

@@ -130,3 +130,24 @@ def test_ttl_and_quota_as_the_managed_store(runtimes):
     finally:
         store.close()
     assert SPEC.total_memory  # the fixture's small GPUs
+
+
+def test_a_refused_put_frees_its_copy_only_after_the_copy_ran(runtimes):
+    """The quota is checked once the copy is issued: a refused PUT's allocation waits for that copy."""
+    import time
+
+    from streambox.comm.quota import QuotaExceeded, StoreQuota
+
+    rt = runtimes[0]
+    store = IpcStore(runtimes, config=StoreConfig(quota=StoreQuota(max_bytes=1024)))
+    try:
+        t, stream = _device_tensor(rt, torch.ones(1024))  # 4 KiB: over the quota
+        rt.launch(stream, lambda: time.sleep(0.3))  # the producer's stream is busy: the copy waits
+        with pytest.raises(QuotaExceeded):
+            store.put("big", t, device=0, stream=stream)
+        assert not store.delete("other")  # a call that frees what is due: not this block yet
+        stream.synchronize()  # raises if the copy met a freed destination
+        rt.mem_free(t.address)
+    finally:
+        store.close()
+    assert store.stats.device_frees == 1
