@@ -133,3 +133,14 @@ def test_stream_only_resolves_the_ipc_store_and_pa_am_need_the_managed_one():
         Mechanisms(system="stream-only", pa="off")
     managed = Mechanisms(system="stream-only", comm_store="managed", pa="off")
     assert managed.store_config().pressure_aware is False
+
+
+def test_comm_store_has_one_spelling(monkeypatch):
+    from streambox.api_proxy.proxy_config import ablation_options
+    from streambox.config import Mechanisms, SettingsError
+
+    assert ablation_options({"Comm-Store": "IPC"}) == {"comm_store": "ipc"}  # replay's --set
+    monkeypatch.setenv("STREAMBOX_COMM_STORE", "ipc")
+    assert ProxyConfig(workflow="w", functions=()).settings()["comm_store"] == "ipc"
+    with pytest.raises((SettingsError, ValueError), match="comm_store 'shm' is not one of managed, ipc"):
+        Mechanisms(comm_store="shm")
