@@ -1,0 +1,146 @@
+"""What the figures of one `streambox paper` call share: the output folder, the size of the run, and the
+measurements already taken (the replay comparison and each benchmark run once per call, whichever
+figures ask for them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..target import PLANNED_SYSTEMS, known_systems
+
+#: The paper's workflows (Fig. 11), all bundled.
+WORKFLOWS = ("traffic", "image-processing", "social-media")
+
+
+def paper_systems() -> tuple[str, ...]:
+    """The systems of Table 2 that the replay registry knows, StreamBox first (astraea joins when
+    registered; `monolithic`, infless's old name, is left out)."""
+    known = known_systems()
+    return tuple(s for s in PLANNED_SYSTEMS if s in known and s != "monolithic")
+
+
+@dataclass(frozen=True)
+class ReplaySize:
+    """How much of the shipped Azure sample is replayed, and on what."""
+
+    workflows: tuple[str, ...]
+    minutes: int
+    scale: float
+    functions: int
+    minute_seconds: float = 1.0
+    max_requests: int | None = None
+    inputs: str = "small"
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "workflow": ",".join(self.workflows),
+            "minutes": self.minutes,
+            "scale": self.scale,
+            "functions": self.functions,
+            "minute_seconds": self.minute_seconds,
+            "max_requests": self.max_requests,
+            "select": "stratified",  # bursty, periodic and sporadic functions alike (replay/shaping.py)
+            "slo_ms": 200.0,  # the paper's SLO
+            "system_options": {"inputs": self.inputs},
+        }
+
+
+#: The paper-sized run that fits minutes on 2 cores: the three workflows, every arrival pattern.
+FULL = ReplaySize(WORKFLOWS, minutes=30, scale=0.5, functions=6)
+#: CI-sized: one workflow, a handful of requests.
+QUICK = ReplaySize(("traffic",), minutes=10, scale=0.5, functions=3, max_requests=3)
+
+#: The benchmarks' arguments beyond --quick --json under `paper --quick` (CI-sized: seconds, not a minute).
+SMOKE_ARGS: dict[str, tuple[str, ...]] = {
+    "bench_memory_pool": ("--functions", "3", "--duration", "6", "--ab-reps", "1"),
+    "bench_comm": ("--repeats", "3", "--rounds", "1"),
+    "bench_io_daemon": ("--repeats", "1"),
+}
+
+
+class FigureUnavailable(RuntimeError):
+    """A figure that cannot be built here (the message says what is missing)."""
+
+
+def benchmarks_dir() -> Path | None:
+    """The repository's benchmarks/ folder (beside the package's sources), None in an installed copy."""
+    here = Path(__file__).resolve().parents[2] / "benchmarks"
+    return here if (here / "_common.py").exists() else None
+
+
+@dataclass
+class Session:
+    out: Path
+    quick: bool
+    systems: tuple[str, ...]
+    progress: bool = True
+    _comparison: dict[str, Path] | None = field(default=None, init=False)
+    _benchmarks: dict[str, Path] = field(default_factory=dict, init=False)
+
+    @property
+    def size(self) -> ReplaySize:
+        return QUICK if self.quick else FULL
+
+    def comparison(self) -> dict[str, Path]:
+        """system -> run directory of the one replay comparison (out/replay/<system>), run on first use;
+        the report's plots go to out/replay/report."""
+        if self._comparison is None:
+            from ..run import run_comparison
+
+            results, _ = run_comparison(
+                self.systems,
+                out=self.out / "replay",
+                overwrite=True,
+                progress=self.progress,
+                **self.size.options(),
+            )
+            self._comparison = {r.config.system: r.run_dir for r in results}
+        return self._comparison
+
+    def relative(self, path: Path) -> str:
+        return str(path.relative_to(self.out))
+
+    def benchmark(self, name: str) -> Path:
+        """Run benchmarks/<name>.py --quick --json once (their full sizes take most of an hour; under
+        `paper --quick` also SMOKE_ARGS); its JSON lands in out/bench/<name>.json and its printed tables
+        in out/bench/<name>.txt."""
+        if name in self._benchmarks:
+            return self._benchmarks[name]
+        folder = benchmarks_dir()
+        if folder is None:
+            raise FigureUnavailable(f"{name} needs the repository's benchmarks/ folder (a source checkout)")
+        target = self.out / "bench" / f"{name}.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        command = [sys.executable, str(folder / f"{name}.py"), "--quick", "--json", str(target)]
+        command += SMOKE_ARGS.get(name, ()) if self.quick else ()
+        print(f"running {' '.join(command[1:])}", flush=True)
+        done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
+        (target.with_suffix(".txt")).write_text(done.stdout + done.stderr)
+        if done.returncode != 0 or not target.exists():
+            tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
+            raise FigureUnavailable(f"{name} failed (exit {done.returncode}): " + " | ".join(tail))
+        self._benchmarks[name] = target
+        return target
+
+    def bench_results(self, name: str) -> dict[str, Any]:
+        return json.loads(self.benchmark(name).read_text())["results"]
+
+    def copy_plots(self, names: Sequence[str], into: Path) -> list[Path]:
+        """The replay report's plots `names` copied into a figure's folder."""
+        into.mkdir(parents=True, exist_ok=True)
+        report = self.out / "replay" / "report"
+        copied = []
+        for name in names:
+            source = report / f"{name}.png"
+            if source.exists():
+                copied.append(Path(shutil.copy(source, into / source.name)))
+        return copied

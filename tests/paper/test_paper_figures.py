@@ -1,0 +1,99 @@
+"""`streambox paper`: every figure's table is what this run measured, beside the paper's numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from streambox.cli import main
+from streambox.replay.paper.cli import ALL_FIGURES
+from streambox.replay.paper.figures import FIGURES, MISSING
+from streambox.replay.paper.numbers import PAPER
+from streambox.replay.paper.table import Row, Source, check_rows, row_from, write_table
+
+
+def test_every_paper_number_is_quoted_with_its_place() -> None:
+    for key, number in PAPER.items():
+        assert key.split(".")[0] in ALL_FIGURES, key
+        assert number.quote and "Fig." in number.where and "sec. 9" in number.where, key
+        assert number.factor > 0, key
+
+
+def test_every_figure_has_a_builder_or_says_why_not() -> None:
+    assert set(FIGURES) | set(MISSING) == set(ALL_FIGURES)
+    assert not set(FIGURES) & set(MISSING)
+
+
+def test_a_table_number_that_is_not_in_its_source_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"a": {"b": 3.0}, "c": 12.0}))
+    (tmp_path / "run" / "requests.csv").write_text("status,pattern\nok,bursty\nok,sporadic\nerror,bursty\n")
+    rows = [
+        row_from(
+            tmp_path,
+            "a over c",
+            "x",
+            [Source("run/summary.json", "a.b"), Source("run/summary.json", "c")],
+            "ratio",
+            paper_key="13.throughput.stream-only",
+        ),
+        row_from(
+            tmp_path, "ok bursty", "requests", [Source("run/requests.csv", "count:status=ok,pattern=bursty")]
+        ),
+    ]
+    assert rows[0].ours == 0.25 and rows[1].ours == 1.0
+    assert rows[0].ratio == pytest.approx(0.25 / 1.46)
+    write_table(tmp_path / "fig", "13", "t", rows)
+    written = json.loads((tmp_path / "fig" / "table.json").read_text())["rows"]
+    assert check_rows(tmp_path, written) == []
+    written[0]["ours"] = 0.3  # a number typed in rather than measured
+    assert check_rows(tmp_path, written) == ["a over c: table says 0.3, sources say 0.25"]
+    with pytest.raises(KeyError, match="no paper number"):
+        Row("m", 1.0, "x", [], paper_key="13.no-such")
+
+
+def test_an_unknown_figure_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["paper", "11"]) == 2
+    assert "figure '11' is not one of 12" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_every_figure_quick_writes_its_plots_and_a_measured_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "paper"
+    assert (
+        main(
+            [
+                "paper",
+                "all",
+                "--quick",
+                "--no-progress",
+                "--out",
+                str(out),
+                "--systems",
+                "streambox,stream-only,infless",
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr()
+    for figure in FIGURES:
+        folder = out / f"fig{figure}"
+        table = json.loads((folder / "table.json").read_text())
+        assert table["figure"] == figure and table["rows"], figure
+        assert (folder / "table.md").read_text().startswith(f"# Figure {figure}")
+        assert list(folder.glob("*.png")), f"figure {figure} wrote no plot"
+        # every number was read from a file this run wrote under `out` (a fresh folder)
+        assert check_rows(out, table["rows"]) == [], figure
+        compared = [r for r in table["rows"] if r["paper"] is not None]
+        assert compared, f"figure {figure} sets no number beside the paper's"
+        for row in compared:
+            if row["ours"] is not None:
+                assert row["ratio_ours_over_paper"] == pytest.approx(row["ours"] / row["paper"])
+    for figure in MISSING:
+        assert f"figure {figure}: NOT BUILT" in printed.err
+    if MISSING:  # asked for by name, a figure that cannot be built is an error
+        assert main(["paper", *MISSING, "--out", str(out)]) == 3
