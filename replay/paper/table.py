@@ -1,9 +1,9 @@
 """A figure's table: per row our number, read from a file the run wrote, beside the paper's, and the ratio.
 
 Each row names its sources (a file under the figure run's folder and a key in it) and how `ours` follows
-from them (`value`: the one source; `ratio`: the first over the second; `ratio_of_ratios`: (a/b) / (c/d)),
-so that every number of a table
-can be traced to, and checked against, the raw output it came from (`check_rows`).
+from them (`value`: the one source; `ratio`: the first over the second; `ratio_of_ratios`: (a/b) / (c/d);
+`share_of_gain`: (a-b) / (a-c)), so that every number of a table can be traced to, and checked against,
+the raw output it came from (`check_rows`).
 
 Source keys: in a JSON file, a dotted path ("latency_ms.p50", "results.pressure.0.get_s"); in a CSV
 file, "count:COLUMN=VALUE,..." (rows matching every pair) or "mean:COLUMN" / "mean:COLUMN|FILTER..."
@@ -23,7 +23,7 @@ from typing import Any, Literal
 from ..metrics import write_json
 from .numbers import PaperNumber, paper_number
 
-Formula = Literal["value", "ratio", "ratio_of_ratios"]
+Formula = Literal["value", "ratio", "ratio_of_ratios", "share_of_gain"]
 
 
 class TableError(ValueError):
@@ -112,6 +112,9 @@ def computed(root: Path, sources: Sequence[Source], formula: str) -> float:
         return values[0]
     if formula == "ratio":
         return values[0] / values[1] if values[1] else math.nan
+    if formula == "share_of_gain":  # (before - partial) / (before - after): how much of a gain one step gives
+        whole = values[0] - values[2]
+        return (values[0] - values[1]) / whole if whole else math.nan
     if formula == "ratio_of_ratios":
         first = values[0] / values[1] if values[1] else math.nan
         second = values[2] / values[3] if values[3] else math.nan
