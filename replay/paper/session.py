@@ -63,6 +63,7 @@ SMOKE_ARGS: dict[str, tuple[str, ...]] = {
     "bench_memory_pool": ("--functions", "3", "--duration", "6", "--ab-reps", "1"),
     "bench_comm": ("--repeats", "3", "--rounds", "1"),
     "bench_io_daemon": ("--repeats", "1"),
+    "bench_compile": ("--models", "resnet18", "--batches", "1", "--no-nvcc"),
 }
 
 
@@ -82,6 +83,7 @@ class Session:
     quick: bool
     systems: tuple[str, ...]
     progress: bool = True
+    load_at_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
     _comparison: dict[str, Path] | None = field(default=None, init=False)
     _benchmarks: dict[str, Path] = field(default_factory=dict, init=False)
 
@@ -104,6 +106,14 @@ class Session:
             )
             self._comparison = {r.config.system: r.run_dir for r in results}
         return self._comparison
+
+    def machine_note(self) -> str:
+        """The host's load, which the replays' latencies follow on a shared machine."""
+        now = os.getloadavg()
+        return (
+            f"host: {os.cpu_count()} cores, load average (1 min) {self.load_at_start[0]:.1f} at the start, "
+            f"{now[0]:.1f} when this table was written"
+        )
 
     def relative(self, path: Path) -> str:
         return str(path.relative_to(self.out))

@@ -2,8 +2,8 @@
 
 Each row names its sources (a file under the figure run's folder and a key in it) and how `ours` follows
 from them (`value`: the one source; `ratio`: the first over the second; `ratio_of_ratios`: (a/b) / (c/d);
-`share_of_gain`: (a-b) / (a-c)), so that every number of a table can be traced to, and checked against,
-the raw output it came from (`check_rows`).
+`share_of_gain`: (a-b) / (a-c); `value_us`: seconds shown as microseconds), so that every number of a
+table can be traced to, and checked against, the raw output it came from (`check_rows`).
 
 Source keys: in a JSON file, a dotted path ("latency_ms.p50", "results.pressure.0.get_s"); in a CSV
 file, "count:COLUMN=VALUE,..." (rows matching every pair) or "mean:COLUMN" / "mean:COLUMN|FILTER..."
@@ -23,7 +23,7 @@ from typing import Any, Literal
 from ..metrics import write_json
 from .numbers import PaperNumber, paper_number
 
-Formula = Literal["value", "ratio", "ratio_of_ratios", "share_of_gain"]
+Formula = Literal["value", "value_us", "ratio", "ratio_of_ratios", "share_of_gain"]
 
 
 class TableError(ValueError):
@@ -110,6 +110,8 @@ def computed(root: Path, sources: Sequence[Source], formula: str) -> float:
     values = [read_source(root, s) for s in sources]
     if formula == "value":
         return values[0]
+    if formula == "value_us":  # seconds in the file, microseconds in the table
+        return values[0] * 1e6
     if formula == "ratio":
         return values[0] / values[1] if values[1] else math.nan
     if formula == "share_of_gain":  # (before - partial) / (before - after): how much of a gain one step gives
