@@ -263,6 +263,23 @@ def figure_15(session: Session) -> FigureResult:
             paper_key="15.time.static",
         )
     )
+    # The breakdown of that time: host CPU per inference, and wall time with one inference at a time
+    rows.append(
+        ratio_row(
+            root,
+            "host CPU per inference, fm+rs / static",
+            Source(bench, f"{configs}.fm+rs.inference_cpu_mean_s"),
+            Source(bench, f"{configs}.static.inference_cpu_mean_s"),
+        )
+    )
+    rows.append(
+        row_from(
+            root,
+            "inference time one at a time (weights resident), fm+rs / static, geomean over models",
+            "x",
+            [Source(bench, f"{configs}.fm+rs.interleaved_inference_ratio")],
+        )
+    )
     notes = [
         "left: benchmarks/bench_memory_pool.py --quick (8 functions on one emulated V100, Poisson arrivals), "
         "its printed tables in bench/bench_memory_pool.txt"
