@@ -197,7 +197,7 @@ def markdown(rows: Sequence[Row]) -> str:
     ]
     for row in rows:
         paper = row.paper.describe() if row.paper else "none given"
-        ratio = f"{row.ratio:.2f}" if row.ratio is not None else "n/a"
+        ratio = "n/a" if row.ratio is None else f"{row.ratio:.2f}" if row.ratio >= 0.1 else f"{row.ratio:.2g}"
         how = row.provenance + (f"; {row.note}" if row.note else "")
         where = row.paper.where if row.paper else ""
         lines.append(f"| {row.metric} | {fmt(row.ours, row.unit)} | {paper} | {ratio} | {where} | {how} |")
