@@ -27,6 +27,12 @@ def add_paper_arguments(p: argparse.ArgumentParser) -> None:
         "--systems",
         help="comma-separated systems (default: Table 2's that the replay registry knows, streambox first)",
     )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="build the tables from the measurements already in --out (same size), measuring only "
+        "what is missing",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=cmd_paper)
 
@@ -52,7 +58,7 @@ def cmd_paper(args: argparse.Namespace) -> int:
     systems = (
         tuple(s.strip() for s in args.systems.split(",") if s.strip()) if args.systems else paper_systems()
     )
-    session = Session(args.out, args.quick, systems, progress=not args.no_progress)
+    session = Session(args.out, args.quick, systems, progress=not args.no_progress, reuse=args.reuse)
     not_built = []
     for figure in wanted:
         try:

@@ -83,6 +83,7 @@ class Session:
     quick: bool
     systems: tuple[str, ...]
     progress: bool = True
+    reuse: bool = False  # take the measurements already in `out` when they are of the same size
     load_at_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
     _comparison: dict[str, Path] | None = field(default=None, init=False)
     _benchmarks: dict[str, Path] = field(default_factory=dict, init=False)
@@ -94,6 +95,8 @@ class Session:
     def comparison(self) -> dict[str, Path]:
         """system -> run directory of the one replay comparison (out/replay/<system>), run on first use;
         the report's plots go to out/replay/report."""
+        if self._comparison is None and self.reuse:
+            self._comparison = self._reused_comparison()
         if self._comparison is None:
             from ..run import run_comparison
 
@@ -107,8 +110,32 @@ class Session:
             self._comparison = {r.config.system: r.run_dir for r in results}
         return self._comparison
 
+    def _reused_comparison(self) -> dict[str, Path] | None:
+        """The comparison already in out/replay when every system has a finished run of this size."""
+        wanted = self.size.options()
+        runs = {}
+        for system in self.systems:
+            config_file = self.out / "replay" / system / "config.json"
+            if not (config_file.parent / "summary.json").exists():
+                return None
+            config = json.loads(config_file.read_text())["config"]
+            same = ",".join(config["workflows"]) == wanted["workflow"] and all(
+                config[k] == wanted[k] for k in ("minutes", "scale", "functions", "max_requests", "select")
+            )
+            if not same:
+                print(f"not reusing {config_file.parent}: another replay size", flush=True)
+                return None
+            runs[system] = config_file.parent
+        print(f"reusing the replay comparison in {self.out / 'replay'}", flush=True)
+        return runs
+
     def machine_note(self) -> str:
         """The host's load, which the replays' latencies follow on a shared machine."""
+        if self.reuse:
+            return (
+                "rebuilt from measurements already in the output folder (--reuse): the host load when "
+                "they were taken is not recorded here"
+            )
         now = os.getloadavg()
         return (
             f"host: {os.cpu_count()} cores, load average (1 min) {self.load_at_start[0]:.1f} at the start, "
@@ -128,16 +155,22 @@ class Session:
         if folder is None:
             raise FigureUnavailable(f"{name} needs the repository's benchmarks/ folder (a source checkout)")
         target = self.out / "bench" / f"{name}.json"
+        args = ["--quick", *(SMOKE_ARGS.get(name, ()) if self.quick else ())]
+        given = target.with_suffix(".args.json")  # the arguments it ran with, for --reuse
+        if self.reuse and target.exists() and given.exists() and json.loads(given.read_text()) == args:
+            print(f"reusing {target}", flush=True)
+            self._benchmarks[name] = target
+            return target
         target.parent.mkdir(parents=True, exist_ok=True)
         target.unlink(missing_ok=True)
-        command = [sys.executable, str(folder / f"{name}.py"), "--quick", "--json", str(target)]
-        command += SMOKE_ARGS.get(name, ()) if self.quick else ()
+        command = [sys.executable, str(folder / f"{name}.py"), *args, "--json", str(target)]
         print(f"running {' '.join(command[1:])}", flush=True)
         done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
         (target.with_suffix(".txt")).write_text(done.stdout + done.stderr)
         if done.returncode != 0 or not target.exists():
             tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
             raise FigureUnavailable(f"{name} failed (exit {done.returncode}): " + " | ".join(tail))
+        given.write_text(json.dumps(args))
         self._benchmarks[name] = target
         return target
 

@@ -97,6 +97,19 @@ def test_the_replay_figures_quick_share_one_comparison(tmp_path: Path) -> None:
     )
     assert sorted(p.name for p in (out / "replay").iterdir()) == ["report", "stream-only", "streambox"]
     _check_figures(out, figures)
+    # --reuse rebuilds the tables from the same measurements: no replay or benchmark runs again
+    measured = {
+        p: p.stat().st_mtime_ns for p in [*out.glob("replay/*/summary.json"), *out.glob("bench/*.json")]
+    }
+    (out / "fig13" / "table.json").unlink()
+    assert (
+        main(
+            ["paper", *figures, "--quick", "--reuse", "--out", str(out), "--systems", "streambox,stream-only"]
+        )
+        == 0
+    )
+    assert {p: p.stat().st_mtime_ns for p in measured} == measured
+    _check_figures(out, figures)
 
 
 @pytest.mark.slow
