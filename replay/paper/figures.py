@@ -174,7 +174,7 @@ def figure_13(session: Session) -> FigureResult:
         "throughput = completed requests / the run's duration (first send to last completion); a group's "
         "is its completed requests over the same duration",
         "patterns are the shipped Azure sample's classification (replay/shaping.py); the paper gives no "
-        "per-pattern factor, only the average",
+        "per-pattern factor, only the average; n/a: one of the two completed no request of that group",
     ]
     return _finish(session, "13", "throughput", rows, notes)
 
