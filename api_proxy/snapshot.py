@@ -39,6 +39,7 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
             "allocated_bytes": pool.allocated_bytes,
             "trims": pool.counters.trims,  # times the pool gave memory back to the device
         },
+        "batching": res.batching.counters(),  # infers run as batches (api_proxy/batched_infer.py)
         "keys": len(server.store.keys()),
         "buffers": len(res.buffers),
         # Streams of dropped instances not destroyed yet, and streams the pool holds frees for.

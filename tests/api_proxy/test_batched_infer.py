@@ -1,0 +1,111 @@
+"""Batched inference end to end (functional device, real bytes): concurrent invocations of a function
+with `max_batch_size` > 1 run their `infer` as one plan run, and each gets its own rows back."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import textwrap
+
+import pytest
+import torch
+
+from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy
+from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+
+HANDLERS = textwrap.dedent(
+    """
+    import os, time
+    from pathlib import Path
+    import torch
+    import streambox
+
+    def _meet(event):
+        # Every invocation of the group reaches its infer together (a barrier of files).
+        room = Path(event["room"])
+        (room / str(event["seed"])).touch()
+        deadline = time.monotonic() + 30
+        while len(list(room.iterdir())) < event["group"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    @streambox.function(models=["resnet18"])
+    def classify(ctx, event):
+        g = torch.Generator().manual_seed(event["seed"])
+        x = ctx.upload(torch.randn(1, 3, 32, 32, generator=g))
+        if "room" in event:
+            _meet(event)
+        (logits,) = ctx.infer("resnet18", x)
+        return {"logits": ctx.download(logits).flatten().tolist(), "shape": list(logits.shape)}
+    """
+)
+
+GROUP_DELAY_S = 2.0  # generous on a loaded machine: a full batch closes before it anyway
+FUNCTIONS = (
+    FunctionSpec("alone", "batch_handlers:classify", models=("resnet18",)),
+    FunctionSpec(  # closes when 3 have joined
+        "full", "batch_handlers:classify", models=("resnet18",), max_instances=3,
+        max_batch_size=3, max_queue_delay_s=GROUP_DELAY_S,
+    ),
+    FunctionSpec(  # 2 of at most 4 join: closes at the deadline
+        "timed", "batch_handlers:classify", models=("resnet18",), max_instances=4,
+        max_batch_size=4, max_queue_delay_s=0.5,
+    ),
+    FunctionSpec(  # no queue delay: unbatched, whatever max_batch_size says
+        "nodelay", "batch_handlers:classify", models=("resnet18",), max_instances=2, max_batch_size=4,
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory) -> ProxyProcess:
+    root = tmp_path_factory.mktemp("batched")
+    (root / "batch_handlers.py").write_text(HANDLERS)
+    config = ProxyConfig(
+        workflow="wfbatch", functions=FUNCTIONS, sys_path=(str(root),), state_dir=str(root / "state")
+    )
+    started = launch_proxy(config)
+    yield started
+    started.stop()
+
+
+def _eager(zoo_model, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        return zoo_model("resnet18")(torch.randn(1, 3, 32, 32, generator=g)).flatten()
+
+
+def _together(proxy: ProxyProcess, function: str, seeds: list[int], room) -> list[dict]:
+    room.mkdir()
+    events = [{"seed": s, "room": str(room), "group": len(seeds)} for s in seeds]
+    clients = [ProxyClient(proxy.address) for _ in seeds]
+    with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
+        return list(
+            pool.map(lambda ce: ce[0].invoke(function, ce[1], request_id=f"r{ce[1]['seed']}")["output"],
+                     zip(clients, events, strict=True))
+        )
+
+
+@pytest.mark.parametrize(("function", "seeds"), [("full", [11, 12, 13]), ("timed", [21, 22])])
+def test_concurrent_infers_run_as_one_batch_with_each_callers_rows(
+    proxy, function, seeds, zoo_model, tmp_path, settled
+):
+    before = proxy.client.stats()["batching"]
+    outputs = _together(proxy, function, seeds, tmp_path / "room")
+    after = settled(proxy.client, lambda s: s["buffers"] == 0)
+    assert after["batching"]["batches"] == before["batches"] + 1  # one plan run for all of them
+    assert after["batching"]["members"] == before["members"] + len(seeds)
+    assert after["batching"]["sizes"][-1] == len(seeds)
+    alone = [proxy.client.invoke("alone", {"seed": s})["output"]["logits"] for s in seeds]
+    for seed, out, ref in zip(seeds, outputs, alone, strict=True):
+        assert out["shape"] == [1, 1000]
+        got = torch.tensor(out["logits"])
+        assert torch.allclose(got, torch.tensor(ref), atol=1e-4), seed  # the unbatched result
+        assert torch.allclose(got, _eager(zoo_model, seed), atol=1e-4), seed  # eager torch's
+    assert after["buffers"] == 0  # every caller's output went with its request
+
+
+def test_without_a_queue_delay_infers_run_alone(proxy, zoo_model, tmp_path):
+    before = proxy.client.stats()["batching"]["batches"]
+    outputs = _together(proxy, "nodelay", [31, 32], tmp_path / "room")
+    assert proxy.client.stats()["batching"]["batches"] == before
+    for seed, out in zip([31, 32], outputs, strict=True):
+        assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
