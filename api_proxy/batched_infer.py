@@ -180,20 +180,23 @@ def _run_batch(
         for m in members[1:]:
             stream.wait_event(m.ready)
         gathered: dict[str, DeviceTensor] = {}
-        for i, name in enumerate(plan.inputs):
-            var = plan.variables[name]
-            t = gathered[name] = res.alloc(call.inst, var.torch_dtype, tuple(var.shape))
-            offset = 0
-            for m in members:
-                src = m.inputs[i]
-                res.runtime.copy_dtod_async(t.address + offset, src.address, src.nbytes, stream)
-                offset += src.nbytes
-        result = yield from run_plan(res, call, model, plan, gathered)
-        outputs = [result.outputs[name] for name in plan.outputs]
-        per_member = _scatter(res, call, outputs, members)
-        spent = {t.address for t in gathered.values()} | {t.address for t in outputs}
-        res.memory.pool.free_many(spent, stream)
-        res.memory.pool.fence(stream)
+        outputs: list[DeviceTensor] = []
+        try:
+            for i, name in enumerate(plan.inputs):
+                var = plan.variables[name]
+                t = gathered[name] = res.alloc(call.inst, var.torch_dtype, tuple(var.shape))
+                offset = 0
+                for m in members:
+                    src = m.inputs[i]
+                    res.runtime.copy_dtod_async(t.address + offset, src.address, src.nbytes, stream)
+                    offset += src.nbytes
+            result = yield from run_plan(res, call, model, plan, gathered)
+            outputs.extend(result.outputs[name] for name in plan.outputs)
+            per_member = _scatter(res, call, outputs, members)
+        finally:  # the batch's own buffers go back to the pool after its work, whatever happened
+            spent = {t.address for t in gathered.values()} | {t.address for t in outputs}
+            res.memory.pool.free_many(spent, stream)
+            res.memory.pool.fence(stream)
         done = res.record(stream)
     res.batching.batches_run += 1
     res.batching.members_batched += len(members)
@@ -211,10 +214,13 @@ def _run_batch(
 def _check_sliceable(model: str, plan: KernelPlan, total: int) -> None:
     for name in plan.outputs:
         var = plan.variables[name]
-        if not var.shape or var.shape[0] != total or plan.variables[plan.root(name)].kind == "weight":
+        contiguous = tuple(var.strides) == contiguous_strides(tuple(var.shape))
+        own = plan.variables[plan.root(name)].kind != "weight"
+        if not var.shape or var.shape[0] != total or not contiguous or not own:
             raise ProxyError(
                 f"model {model!r} cannot be batched: its output {name} of shape {list(var.shape)} "
-                f"(batch {total}) does not lead with the batch; set max_batch_size: 1 for it"
+                f"(batch {total}) is not a contiguous buffer leading with the batch; set max_batch_size: 1 "
+                f"for its function"
             )
 
 
@@ -225,8 +231,6 @@ def _scatter(
     stream = call.inst.stream
     per_member: list[list[DeviceTensor]] = [[] for _ in members]
     for out in outputs:
-        if tuple(out.strides) != contiguous_strides(tuple(out.shape)):
-            raise ProxyError(f"a batched output of shape {list(out.shape)} is not contiguous")
         row_bytes = out.nbytes // int(out.shape[0])
         offset = 0
         for mine, m in zip(per_member, members, strict=True):
