@@ -109,3 +109,27 @@ def test_without_a_queue_delay_infers_run_alone(proxy, zoo_model, tmp_path):
     assert proxy.client.stats()["batching"]["batches"] == before
     for seed, out in zip([31, 32], outputs, strict=True):
         assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
+
+
+def test_which_functions_batch_which_calls_join_and_which_plans_deploy_prepares():
+    from streambox.api_proxy.batched_infer import batch_sizes, joinable, limits_of
+    from streambox.api_proxy.device_tensor import DeviceTensor
+    from streambox.api_proxy.handles import contiguous_strides
+
+    def tensor(*shape: int, strides: tuple[int, ...] | None = None) -> DeviceTensor:
+        return DeviceTensor(0x1000, torch.float32, shape, strides or contiguous_strides(shape), 4)
+
+    plain = FunctionSpec("f", "m:f")
+    assert limits_of(plain) is None and batch_sizes(plain) == []
+    assert limits_of(FunctionSpec("f", "m:f", max_batch_size=4)) is None  # no delay: no batching
+    spec = FunctionSpec("f", "m:f", max_batch_size=4, max_queue_delay_s=0.005)
+    limits = limits_of(spec)
+    assert limits is not None and (limits.max_samples, limits.max_delay_s) == (4, 0.005)
+    assert batch_sizes(spec) == [2, 3, 4]
+    assert batch_sizes(FunctionSpec("f", "m:f", batch=2, max_batch_size=7, max_queue_delay_s=1.0)) == [4, 6]
+    assert joinable(limits, [tensor(1, 3, 8, 8)])
+    assert joinable(limits, [tensor(2, 3), tensor(2, 5)])
+    assert not joinable(limits, [tensor(4, 3)])  # fills a batch alone
+    assert not joinable(limits, [tensor(1, 3), tensor(2, 3)])  # no common batch dimension
+    assert not joinable(limits, [tensor(2, 3, strides=(1, 2))])  # not contiguous
+    assert not joinable(limits, [tensor()])  # a scalar has no batch dimension
