@@ -16,8 +16,10 @@ then runs it on its own stream:
    the leader's stream after the copies. The members' streams wait for the leader's work before their
    next call, and their ops (waiting on an `Offload` of their own) are resumed with their handles.
 
-Other members (followers) never run anything. A member whose invocation ended before the batch ran
-is left out; a leader that ends while the batch is open drops it and fails its followers' calls.
+A batch that closes with its leader alone is not a batch: the leader's `infer` runs its own plan as
+if unbatched (no gathering copies; it only waited). Other members (followers) never run anything. A
+member whose invocation ended before the batch ran is left out; a leader that ends while the batch
+is open drops it and fails its followers' calls.
 """
 
 from __future__ import annotations
@@ -103,10 +105,17 @@ class Batching:
         self.batches_run = 0
         self.members_batched = 0
         self.sizes: list[int] = []  # samples of each batch run
+        self.alone = 0  # batches that closed with no call but their first: run as plain infers
 
     def counters(self) -> dict[str, Any]:
-        """Batches run, the calls they served, and how many samples each held (recent ones)."""
-        return {"batches": self.batches_run, "members": self.members_batched, "sizes": self.sizes[-256:]}
+        """Batches run, the calls they served, how many samples each held (recent ones), and the calls
+        that waited for a batch but ran alone."""
+        return {
+            "batches": self.batches_run,
+            "members": self.members_batched,
+            "sizes": self.sizes[-256:],
+            "alone": self.alone,
+        }
 
     def join(self, model: str, member: Member, limits: Limits, now: float) -> Batch[Member]:
         """`member` joins the open batch of its function, model and per-sample inputs."""
@@ -147,8 +156,9 @@ def infer_batched(
     inputs: list[DeviceTensor],
     limits: Limits,
     run_plan: RunPlan,
-) -> Generator[Wait, Any, list[Handle]]:
-    """One `infer` as a member of a batch (see the module doc): returns this caller's handles."""
+) -> Generator[Wait, Any, list[Handle] | None]:
+    """One `infer` as a member of a batch (see the module doc): returns this caller's handles, or None
+    when no other call joined it (the caller then runs its own plan as usual: no copies)."""
     member = Member(call, inputs, res.record(call.inst.stream))
     batch = res.batching.join(model, member, limits, time.perf_counter())
     if batch.leader is not member:
@@ -158,6 +168,9 @@ def infer_batched(
     except GeneratorExit:  # this call was dropped (its instance died or its request ended)
         res.batching.abandon(batch, ProxyError(f"the batch of {model!r} lost the call that was to run it"))
         raise
+    if not any(m.alive for m in batch.members[1:]):
+        res.batching.alone += 1
+        return None
     try:
         handles = yield from _run_batch(res, call, model, batch, run_plan)
     except BaseException as exc:

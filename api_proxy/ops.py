@@ -86,7 +86,9 @@ def op_infer(res: Resources, call: CallContext, model: str, inputs: list[Any]) -
             tensors = _checked_inputs(model, plan, given)
             limits = limits_of(call.inst.spec)
             if limits is not None and joinable(limits, given):  # gathered with other invocations' infers
-                return (yield from infer_batched(res, call, model, given, limits, _run_plan))
+                handles = yield from infer_batched(res, call, model, given, limits, _run_plan)
+                if handles is not None:
+                    return handles
             result = yield from _run_plan(res, call, model, plan, tensors)
             return _output_handles(res, call, model, plan, result)
 

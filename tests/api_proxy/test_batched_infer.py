@@ -88,9 +88,10 @@ def _together(proxy: ProxyProcess, function: str, seeds: list[int], room) -> lis
 def test_concurrent_infers_run_as_one_batch_with_each_callers_rows(
     proxy, function, seeds, zoo_model, tmp_path, settled
 ):
-    before = proxy.client.stats()["batching"]
+    stats = settled(proxy.client, lambda s: s["buffers"] == 0)
+    before, pool_bytes = stats["batching"], stats["pool"]["allocated_bytes"]
     outputs = _together(proxy, function, seeds, tmp_path / "room")
-    after = settled(proxy.client, lambda s: s["buffers"] == 0)
+    after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] == pool_bytes)
     assert after["batching"]["batches"] == before["batches"] + 1  # one plan run for all of them
     assert after["batching"]["members"] == before["members"] + len(seeds)
     assert after["batching"]["sizes"][-1] == len(seeds)
@@ -100,7 +101,16 @@ def test_concurrent_infers_run_as_one_batch_with_each_callers_rows(
         got = torch.tensor(out["logits"])
         assert torch.allclose(got, torch.tensor(ref), atol=1e-4), seed  # the unbatched result
         assert torch.allclose(got, _eager(zoo_model, seed), atol=1e-4), seed  # eager torch's
-    assert after["buffers"] == 0  # every caller's output went with its request
+    # Every caller's output went with its request; the batch's gathered inputs and whole outputs too.
+    assert (after["buffers"], after["pool"]["allocated_bytes"]) == (0, pool_bytes)
+
+
+def test_a_call_no_other_joins_runs_its_own_plan_after_the_delay(proxy, zoo_model):
+    before = proxy.client.stats()["batching"]
+    out = proxy.client.invoke("timed", {"seed": 41})["output"]
+    after = proxy.client.stats()["batching"]
+    assert (after["batches"], after["alone"]) == (before["batches"], before["alone"] + 1)
+    assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, 41), atol=1e-4)
 
 
 def test_without_a_queue_delay_infers_run_alone(proxy, zoo_model, tmp_path):
