@@ -10,7 +10,8 @@ In both, those functions may run max(max_instances, B) invocations at once, so t
 difference is batching (a batch gathers concurrent invocations, so it can never hold more than the
 function runs at once). Each deployment is warmed up by one concurrent burst (instances started,
 plans at hand), then measured with `--requests` at `--concurrency`. Printed: throughput and p50/p99
-latency of both, as ratios batched / unbatched, and the proxy's batch counts (`stats["batching"]`).
+latency of both, as ratios batched / unbatched, the proxy's batch counts (`stats["batching"]`), and
+the cost model's GPU time per sample at batch 1 and B (modelled, not measured).
 Latency is the engine's (no HTTP). `--quick`: 16 requests (a few minutes on 2 loaded cores).
 """
 
@@ -60,6 +61,7 @@ async def measure(
     out = report.to_json()
     batches = after.get("batches", 0) - before.get("batches", 0)
     members = after.get("members", 0) - before.get("members", 0)
+    alone = after.get("alone", 0) - before.get("alone", 0)
     return {
         "ok": out["ok"],
         "failed": out["failed"],
@@ -69,6 +71,7 @@ async def measure(
         "functions": out["functions"],
         "batches": batches,
         "calls_batched": members,
+        "calls_alone": alone,  # waited for a batch that no other call joined
         "mean_batch": round(members / batches, 2) if batches else None,
     }
 
@@ -118,6 +121,7 @@ def main() -> int:
         a, b = one["latency_ms"].get(q), many["latency_ms"].get(q)
         rows.append([f"latency {q} (ms)", a, b, _ratio(b, a)])
     rows.append(["batches run / calls in them", "-", f"{many['batches']} / {many['calls_batched']}", ""])
+    rows.append(["calls no other joined (ran alone)", "-", many["calls_alone"], ""])
     rows.append(["mean batch (calls)", "-", many["mean_batch"], ""])
     title = (
         f"{base.name}: max_batch_size {args.max_batch_size}, max_queue_delay_ms {args.delay_ms:g} vs 1 "
