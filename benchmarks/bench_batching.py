@@ -9,15 +9,17 @@ timed emulated GPU (modelled kernel and copy times, phantom data) and the same e
 In both, those functions may run max(max_instances, B) invocations at once, so that the only
 difference is batching (a batch gathers concurrent invocations, so it can never hold more than the
 function runs at once). Each deployment is warmed up by one concurrent burst (instances started,
-plans at hand), then measured with `--requests` at `--concurrency`. Printed: throughput and p50/p99
+plans at hand), then measured with `--requests` at `--concurrency`; `--rounds` rounds of both, in
+ABBA order (the 2-core machine's load drifts), pooled as medians. Printed: throughput and p50/p99
 latency of both, as ratios batched / unbatched, the proxy's batch counts (`stats["batching"]`), and
 the cost model's GPU time per sample at batch 1 and B (modelled, not measured).
-Latency is the engine's (no HTTP). `--quick`: 16 requests (a few minutes on 2 loaded cores).
+Latency is the engine's (no HTTP). `--quick`: 16 requests, 1 round (a few minutes on 2 loaded cores).
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,30 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration over its rounds: medians of throughput and latency, sums of counts."""
+    def median_of(get: Any) -> float | None:
+        values = [v for v in map(get, runs) if v is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    batches, members = sum(r["batches"] for r in runs), sum(r["calls_batched"] for r in runs)
+    return {
+        "ok": sum(r["ok"] for r in runs),
+        "failed": sum(r["failed"] for r in runs),
+        "throughput_rps": median_of(lambda r: r["throughput_rps"]),
+        "p50": median_of(lambda r: r["latency_ms"].get("p50")),
+        "p99": median_of(lambda r: r["latency_ms"].get("p99")),
+        "batches": batches,
+        "calls_batched": members,
+        "calls_alone": sum(r["calls_alone"] for r in runs),
+        "mean_batch": round(members / batches, 2) if batches else None,
+        "functions": {
+            name: median_of(lambda r, n=name: r["functions"].get(n, {}).get("latency_ms", {}).get("p50"))
+            for name in runs[0]["functions"]
+        },
+    }
+
+
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--workflow", default="traffic", help="bundled workflow name or YAML (default traffic)")
@@ -102,52 +128,62 @@ def main() -> int:
     p.add_argument("--concurrency", "-c", type=int, default=8)
     p.add_argument("--max-batch-size", type=int, default=4)
     p.add_argument("--delay-ms", type=float, default=5.0, help="max_queue_delay_ms of the batched run")
+    p.add_argument("--rounds", type=int, default=2, help="rounds, each both configurations, ABBA order")
     args = p.parse_args()
     requests = 16 if args.quick else args.requests
-    warmup = args.concurrency
+    rounds = 1 if args.quick else args.rounds
     base, events = prepare(args.workflow, requests=requests, warmup=0)
-    runs: dict[str, dict[str, Any]] = {}
+    sizes = {"unbatched": 1, "batched": args.max_batch_size}
+    runs: dict[str, list[dict[str, Any]]] = {"unbatched": [], "batched": []}
     with device_mode_env("timed"):
-        for label, size in (("unbatched", 1), ("batched", args.max_batch_size)):
-            spec = with_batching(base, size, args.delay_ms)
-            runs[label] = asyncio.run(measure(spec, events, warmup, args.concurrency))
-    one, many = runs["unbatched"], runs["batched"]
+        for r in range(rounds):  # alternating which goes first: the machine's load drifts
+            for label in (("unbatched", "batched") if r % 2 == 0 else ("batched", "unbatched")):
+                spec = with_batching(base, sizes[label], args.delay_ms)
+                runs[label].append(asyncio.run(measure(spec, events, args.concurrency, args.concurrency)))
+    one, many = _pooled(runs["unbatched"]), _pooled(runs["batched"])
     rows = [
         ["requests ok / failed", f"{one['ok']} / {one['failed']}", f"{many['ok']} / {many['failed']}", ""],
         ["throughput (req/s)", one["throughput_rps"], many["throughput_rps"],
          _ratio(many["throughput_rps"], one["throughput_rps"])],
     ]
     for q in ("p50", "p99"):
-        a, b = one["latency_ms"].get(q), many["latency_ms"].get(q)
-        rows.append([f"latency {q} (ms)", a, b, _ratio(b, a)])
+        rows.append([f"latency {q} (ms)", one[q], many[q], _ratio(many[q], one[q])])
+    for r, (a, b) in enumerate(zip(runs["unbatched"], runs["batched"], strict=True)):
+        rows.append([f"round {r + 1}: throughput / p50 ratio", "", "",
+                     f"{_ratio(b['throughput_rps'], a['throughput_rps'])} / "
+                     f"{_ratio(b['latency_ms'].get('p50'), a['latency_ms'].get('p50'))}"])
     rows.append(["batches run / calls in them", "-", f"{many['batches']} / {many['calls_batched']}", ""])
     rows.append(["calls no other joined (ran alone)", "-", many["calls_alone"], ""])
     rows.append(["mean batch (calls)", "-", many["mean_batch"], ""])
     title = (
         f"{base.name}: max_batch_size {args.max_batch_size}, max_queue_delay_ms {args.delay_ms:g} vs 1 "
-        f"({requests} requests, concurrency {args.concurrency}, timed emulated GPU: modelled times)"
+        f"({requests} requests x {rounds} rounds, concurrency {args.concurrency}, medians over rounds; "
+        f"timed emulated GPU: modelled device times)"
     )
     print_table(title, ["", "unbatched", "batched", "batched / unbatched"], rows)
-    per_function = [
-        [name, f["latency_ms"]["p50"], many["functions"].get(name, {}).get("latency_ms", {}).get("p50")]
-        for name, f in one["functions"].items()
-    ]
-    print_table("per function p50 (ms)", ["function", "unbatched", "batched"], per_function)
+    per_function = [[name, v, many["functions"].get(name)] for name, v in one["functions"].items()]
+    columns = ["function", "unbatched", "batched"]
+    print_table("per function p50 (ms), median over rounds", columns, per_function)
     modelled = modelled_gpu_ms(base, args.max_batch_size)
     print_table(
         f"modelled GPU ms per sample (cost model, {Config.from_env().device_preset}, small inputs)",
         ["model", "batch 1", f"batch {args.max_batch_size}", "ratio"],
         modelled,
     )
-    runs["modelled_gpu_ms_per_sample"] = {r[0]: {"batch_1": r[1], "batched": r[2]} for r in modelled}
     config = {
         "workflow": base.name,
         "requests": requests,
+        "rounds": rounds,
         "concurrency": args.concurrency,
         "max_batch_size": args.max_batch_size,
         "delay_ms": args.delay_ms,
     }
-    write_json(args.json, "batching", config, runs)
+    results = {
+        "runs": runs,
+        "pooled": {"unbatched": one, "batched": many},
+        "modelled_gpu_ms_per_sample": {r[0]: {"batch_1": r[1], "batched": r[2]} for r in modelled},
+    }
+    write_json(args.json, "batching", config, results)
     return 0 if one["failed"] == 0 and many["failed"] == 0 else 1
 
 
