@@ -215,6 +215,9 @@ def _run_batch(
     res.batching.members_batched += len(members)
     res.batching.sizes.append(total)
     for m, tensors in zip(members, per_member, strict=True):
+        if m is not batch.leader and not m.alive:  # ended while the batch ran: nobody to own its rows
+            res.memory.pool.free_many([t.address for t in tensors], call.inst.stream)
+            continue
         handles = [res.register(t, m.call.inv) for t in tensors]
         if m is batch.leader:
             mine = handles

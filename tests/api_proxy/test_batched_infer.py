@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy
+from streambox.api_proxy.errors import FunctionTimeout
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
 
 HANDLERS = textwrap.dedent(
@@ -33,6 +34,7 @@ HANDLERS = textwrap.dedent(
         x = ctx.upload(torch.randn(1, 3, 32, 32, generator=g))
         if "room" in event:
             _meet(event)
+        time.sleep(event.get("late_s", 0.0))
         (logits,) = ctx.infer("resnet18", x)
         return {"logits": ctx.download(logits).flatten().tolist(), "shape": list(logits.shape)}
     """
@@ -48,6 +50,10 @@ FUNCTIONS = (
     FunctionSpec(  # 2 of at most 4 join: closes at the deadline
         "timed", "batch_handlers:classify", models=("resnet18",), max_instances=4,
         max_batch_size=4, max_queue_delay_s=0.5,
+    ),
+    FunctionSpec(  # a long delay: a call may end while its batch is open
+        "slow", "batch_handlers:classify", models=("resnet18",), max_instances=3,
+        max_batch_size=4, max_queue_delay_s=3.0,
     ),
     FunctionSpec(  # no queue delay: unbatched, whatever max_batch_size says
         "nodelay", "batch_handlers:classify", models=("resnet18",), max_instances=2, max_batch_size=4,
@@ -111,6 +117,29 @@ def test_a_call_no_other_joins_runs_its_own_plan_after_the_delay(proxy, zoo_mode
     after = proxy.client.stats()["batching"]
     assert (after["batches"], after["alone"]) == (before["batches"], before["alone"] + 1)
     assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, 41), atol=1e-4)
+
+
+def test_a_call_that_ends_while_its_batch_is_open_is_left_out(proxy, zoo_model, tmp_path, settled):
+    stats = settled(proxy.client, lambda s: s["buffers"] == 0)
+    before, pool_bytes = stats["batching"], stats["pool"]["allocated_bytes"]
+    room = tmp_path / "room"
+    room.mkdir()
+    events = [{"seed": s, "room": str(room), "group": 3} for s in (51, 52, 53)]
+    events[2]["late_s"] = 0.3  # joins after the others: a follower, whose request times out
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [
+            pool.submit(ProxyClient(proxy.address).invoke, "slow", e, f"r{e['seed']}", timeout_s=t)
+            for e, t in zip(events, (None, None, 1.5), strict=True)
+        ]
+        with pytest.raises(FunctionTimeout):
+            futures[2].result()
+        outputs = [f.result()["output"] for f in futures[:2]]
+    after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] == pool_bytes)
+    assert after["batching"]["batches"] == before["batches"] + 1
+    assert after["batching"]["sizes"][-1] == 2  # the ended call's rows were not gathered
+    for seed, out in zip((51, 52), outputs, strict=True):
+        assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
+    assert (after["buffers"], after["pool"]["allocated_bytes"]) == (0, pool_bytes)
 
 
 def test_without_a_queue_delay_infers_run_alone(proxy, zoo_model, tmp_path):
