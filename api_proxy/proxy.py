@@ -52,6 +52,7 @@ from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.memory_pool.idle import PoolIdleMemory
 
 from . import protocol
+from .batched_infer import batch_sizes
 from .calls import Calls
 from .channel import make_server
 from .control import ControlGuard, ControlRefused
@@ -138,6 +139,8 @@ class ProxyServer:
         for spec in cfg.functions:
             for model in spec.models:  # deploying: every model's weights and offline profile at hand
                 self.memory.ensure_profile(self.resources.load(model, spec.batch))
+                for size in batch_sizes(spec):  # the plans its batched infers reach
+                    self.memory.ensure_profile(self.resources.load(model, size))
         self.resources.service.synchronize()
         self.timings["models_s"] = _now() - t
         self._open_control()
@@ -385,13 +388,14 @@ class ProxyServer:
             if os.getppid() != self._parent:  # the launcher died: shut down (instances with us)
                 self._stop = True
         n += self.lifecycle.timers(now)
+        n += self.resources.batching.close_due(now)  # batches whose queue delay is over run now
         return n + self.calls.expire_keys(now)
 
     def _next_due(self) -> float:
         due = [_now() + MAX_SLEEP_S, *self.lifecycle.deadlines()]
-        at = self.calls.next_key_deadline()
-        if at is not None:
-            due.append(at)
+        for at in (self.calls.next_key_deadline(), self.resources.batching.next_deadline()):
+            if at is not None:
+                due.append(at)
         return min(due)
 
 

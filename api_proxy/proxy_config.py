@@ -67,7 +67,8 @@ __all__ = [
 
 class FunctionSpec(SettingsModel):
     """One function of a workflow: its handler (`module:function`) and the models it may run;
-    `gpu_percent` (None: the whole GPU) caps the compute units its kernels use (`api_proxy.partition`)."""
+    `gpu_percent` (None: the whole GPU) caps the compute units its kernels use (`api_proxy.partition`);
+    `max_batch_size` > 1 with `max_queue_delay_s` > 0 batches its invocations' infers."""
 
     name: str
     handler: str
@@ -76,6 +77,10 @@ class FunctionSpec(SettingsModel):
     max_instances: int = Field(4, ge=1)
     timeout_s: float = Field(30.0, gt=0)
     gpu_percent: int | None = Field(None, ge=1, le=100)
+    # Batching (api_proxy/batched_infer.py): samples one batched inference holds, and how long an
+    # infer waits for other invocations' infers to join it (1 or 0: every infer runs alone).
+    max_batch_size: int = Field(1, ge=1)
+    max_queue_delay_s: float = Field(0.0, ge=0)
 
     def __init__(self, *args: Any, **values: Any) -> None:
         """Positional as the former dataclass: `FunctionSpec("name", "module:function", ...)`."""

@@ -27,6 +27,7 @@ from streambox.io_daemon import CopyRequest, IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.plan import KernelPlan
 
+from .batched_infer import Batching
 from .buffers import BufferTable
 from .device_tensor import DeviceTensor
 from .errors import IsolationError, UnknownHandle, UnknownModel
@@ -82,6 +83,7 @@ class Resources:
         self._post = post  # runs a function on the dispatcher (from any thread)
         self.issuer = issuer  # issues plans off the dispatcher (None: on it)
         self.buffers = BufferTable()
+        self.batching = Batching()  # infers of concurrent invocations gathered into batches
         self.service = runtime.create_stream()  # frees of buffers that outlive their holders
         self.plans: dict[PlanKey, KernelPlan] = {}
         self.lowerings: dict[PlanKey, Future[KernelPlan]] = {}

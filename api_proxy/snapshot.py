@@ -39,6 +39,7 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
             "allocated_bytes": pool.allocated_bytes,
             "trims": pool.counters.trims,  # times the pool gave memory back to the device
         },
+        "batching": res.batching.counters(),  # infers run as batches (api_proxy/batched_infer.py)
         "keys": len(server.store.keys()),
         "store": {  # the data path: which store, what it holds (HOST: -1) and what it did
             "kind": server.config.resolved_comm_store,

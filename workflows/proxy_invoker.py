@@ -45,6 +45,8 @@ def proxy_config_for(spec: WorkflowSpec, config: Config, system: str, **options:
             max_instances=fn.max_instances,
             timeout_s=(fn.timeout_ms or spec.timeout_ms) / 1e3,
             gpu_percent=fn.gpu_percent,
+            max_batch_size=fn.max_batch_size,
+            max_queue_delay_s=fn.max_queue_delay_ms / 1e3,
         )
         for name, fn in spec.functions.items()
     )
