@@ -28,6 +28,7 @@ then frees what the request held and the instance's stream, and goes on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -56,6 +57,7 @@ from .control import ControlGuard, ControlRefused
 from .errors import FunctionCrashed, ProxyError, encode_error
 from .issuer import Issuer
 from .lifecycle import Lifecycle
+from .node_gpus import neighbour_indices, open_neighbours
 from .ops import OPS, CallContext
 from .profiling import device_profile
 from .proxy_config import ProxyConfig
@@ -153,6 +155,15 @@ class ProxyServer:
         cfg = self.config
         device = cfg.device_config()
         self.backend = device.open_backend()
+        store_config = cfg.store_config()  # PA and AM as switched, the `store` group's knobs
+        # AM's neighbour GPUs (node_gpus.py): their contexts open beside the home one.
+        opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="streambox-neighbours")
+        neighbours = opener.submit(
+            open_neighbours,
+            self.backend,
+            neighbour_indices(cfg.device, device.gpus, store_config.adaptive_movement),
+        )
+        opener.shutdown(wait=False)
         t = _now()
         self.runtime = self.backend.open_runtime(cfg.device)
         self.timings["runtime_s"] = _now() - t
@@ -172,12 +183,14 @@ class ProxyServer:
         # The store's own allocations (a reader's copy of data it moved to host memory) may evict idle
         # weights, but never ask the store itself to reclaim (no call re-enters the store).
         store_allocator = ReclaimingAllocator(self.memory.pool, [self.memory.models.evict_idle])
+        self.neighbours = neighbours.result()
         store = CommStore(
-            {cfg.device: self.runtime},
-            {cfg.device: store_allocator},
+            {cfg.device: self.runtime, **self.neighbours.runtimes},
+            {cfg.device: store_allocator, **self.neighbours.allocators},
             node=f"proxy-{cfg.workflow}",
-            idle={cfg.device: store_idle},
-            config=cfg.store_config(),  # PA and AM as switched, the `store` group's knobs
+            # A neighbour's idle memory: observed free (None), its demand model is in other proxies.
+            idle={cfg.device: store_idle, **dict.fromkeys(self.neighbours.runtimes)},
+            config=store_config,
             clock=_now,  # the position board's clock, which the prediction compares `now` with
         )
         store_idle.store_bytes = lambda: store.usage()[cfg.device]
@@ -207,6 +220,7 @@ class ProxyServer:
         self.resources.close()
         self.io.close()
         self.store.close()
+        self.neighbours.close()
         self.memory.pool.fence(self.resources.service)
         self.memory.close()
         self.runtime.close()

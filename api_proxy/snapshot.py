@@ -40,6 +40,7 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
             "trims": pool.counters.trims,  # times the pool gave memory back to the device
         },
         "keys": len(server.store.keys()),
+        "store": server.store.snapshot(),  # the GPUs it sees, bytes per location, moves per destination
         "buffers": len(res.buffers),
         # Streams of dropped instances not destroyed yet, and streams the pool holds frees for.
         "retiring_streams": server.lifecycle.retiring,
