@@ -1,0 +1,182 @@
+"""Adaptive movement (AM) on a node of four GPUs, through a real proxy: AM on vs off in one run.
+
+The paper's Fig. 16 right (AM cuts communication overhead by 72%): when the proxy's GPU comes under
+pressure, AM moves intermediate data to the least-pressured neighbour GPU (NVLink) instead of host
+memory (PCIe), so the GET that follows is a peer copy instead of a host-to-device copy.
+
+Per round, on an emulated node of 4 V100s in timed mode (copies take their modelled link time:
+peer 48 GB/s per GPU pair, pageable host 6 GB/s, `streambox.device.specs`): a proxy on GPU 0 runs `produce`,
+which PUTs K items; another job (as the paper runs a video task to raise memory pressure) then
+takes GPU 0's free memory and most of GPU 1's; the store's pressure awareness moves data off GPU 0
+(AM: to a neighbour GPU by rule 2, least pressured; off: to host); `consume` GETs every item and
+times each GET as the function sees it (the call to the proxy and the copy back). The job then
+releases its memory. A first round warms each proxy up (first allocations on each GPU) and is not
+timed; the store's counters (moves by destination, GETs by transport) include it. Two proxies (AM
+on, AM off) run the same rounds in turn, in the same run.
+
+    .venv/bin/python benchmarks/bench_am.py [--quick] [--rounds N] [--items K] [--item-mib S] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import parser, print_table, write_json  # noqa: E402
+
+from streambox.api_proxy.control import ProxyProcess, launch_proxy  # noqa: E402
+from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig  # noqa: E402
+from streambox.device import Runtime  # noqa: E402
+from streambox.device.emulated import EmulatedBackend  # noqa: E402
+from streambox.device.specs import MiB, preset  # noqa: E402
+
+GPUS = 4
+WORKFLOW = "ambench"
+HANDLERS = textwrap.dedent(
+    f"""
+    import time
+    import torch
+    import streambox
+
+    @streambox.function()
+    def produce(ctx, event):
+        for i in range(event["items"]):
+            x = ctx.upload(torch.zeros(event["nbytes"] // 4, dtype=torch.int32))
+            ctx.put(f"{WORKFLOW}/item{{i}}", x, consumers=1)
+        return {{}}
+
+    @streambox.function()
+    def consume(ctx, event):
+        seconds = []
+        for i in range(event["items"]):
+            started = time.perf_counter()
+            ctx.get(f"{WORKFLOW}/item{{i}}")
+            seconds.append(time.perf_counter() - started)
+        return {{"get_s": seconds}}
+    """
+)
+#: What the other job leaves free on each GPU while it runs (GPU 0 full: the pressure; GPU 1 nearly
+#: full, GPU 2 half: rule 2 picks the least-pressured neighbour).
+LEAVE = {0: 0, 1: 32 * MiB, 2: 8 << 30}
+
+
+class OtherJob:
+    """Another process's memory on the node (timed backend: accounted in the shared ledger only)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        spec = preset("v100-16gb").with_overrides(context_create_s=0.0)
+        self.backend = EmulatedBackend(spec, count=GPUS, state_dir=state_dir, mode="timed")
+        self.runtimes: dict[int, Runtime] = {g: self.backend.open_runtime(g) for g in LEAVE}
+        self.held: list[tuple[Runtime, int]] = []
+
+    def grow(self) -> None:
+        for gpu, leave in LEAVE.items():
+            rt = self.runtimes[gpu]
+            free, _ = rt.memory_info()
+            if free > leave:
+                self.held.append((rt, rt.mem_alloc(free - leave)))
+
+    def release(self) -> None:
+        for rt, address in self.held:
+            rt.mem_free(address)
+        self.held.clear()
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _settle(proxy: ProxyProcess, moved_before: int, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The store's stats once moves have started and then stopped for 0.2 s."""
+    deadline = time.monotonic() + timeout_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        store = proxy.client.stats()["store"]
+        moved = sum(row["count"] for row in store["moved_to"].values())
+        if moved != last:
+            last, since = moved, time.monotonic()
+        elif moved > moved_before and time.monotonic() - since > 0.2:
+            return store
+        time.sleep(0.02)
+    return proxy.client.stats()["store"]
+
+
+def run_setting(root: Path, am: bool, rounds: int, items: int, nbytes: int, job: OtherJob) -> dict[str, Any]:
+    config = ProxyConfig(
+        workflow=WORKFLOW, functions=(FunctionSpec("produce", "am_handlers:produce"),
+                                      FunctionSpec("consume", "am_handlers:consume")),
+        sys_path=(str(root),), state_dir=str(root / "state"), prefork=0, gpus=GPUS, device=0,
+        device_mode="timed", am=am,
+    )
+    proxy = launch_proxy(config)
+    gets: list[float] = []
+    try:
+        event = {"items": items, "nbytes": nbytes}
+        for round_ in range(rounds + 1):  # round 0 warms up (first allocations on each GPU): not timed
+            proxy.client.invoke("produce", event)
+            before = proxy.client.stats()["store"]
+            moved_before = sum(row["count"] for row in before["moved_to"].values())
+            job.grow()
+            try:
+                _settle(proxy, moved_before)
+                seconds = proxy.client.invoke("consume", event)["output"]["get_s"]
+                gets += seconds if round_ else []
+            finally:
+                job.release()
+        store = proxy.client.stats()["store"]
+    finally:
+        proxy.stop()
+    return {"am": am, "get_s": gets, "store": store}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--items", type=int, default=6)
+    p.add_argument("--item-mib", type=int, default=16)
+    args = p.parse_args()
+    rounds = 2 if args.quick else args.rounds
+    nbytes = args.item_mib * MiB
+    with tempfile.TemporaryDirectory(prefix="bench-am-") as tmp:
+        root = Path(tmp)
+        (root / "am_handlers.py").write_text(HANDLERS)
+        job = OtherJob(root / "state")
+        try:
+            results = [run_setting(root, am, rounds, args.items, nbytes, job) for am in (True, False)]
+        finally:
+            job.close()
+    on, off = results
+    rows = []
+    for r in results:
+        s = r["store"]
+        moved = ", ".join(
+            f"{k}: {v['count']} ({v['bytes'] / MiB:.0f} MiB)" for k, v in sorted(s["moved_to"].items())
+        )
+        gets = s["gets"]
+        rows.append([
+            "AM on" if r["am"] else "AM off (host)",
+            f"{statistics.mean(r['get_s']) * 1e3:.3f}",
+            f"{statistics.median(r['get_s']) * 1e3:.3f}",
+            f"{statistics.mean(r['get_s']) / statistics.mean(off['get_s']):.3f}x",
+            f"{gets['same-gpu']}/{gets['peer-copy']}/{gets['host-to-device']}",
+            moved or "-",
+        ])
+    print_table(
+        f"GET under pressure on GPU 0 of {GPUS} emulated V100s, timed: {rounds} rounds x {args.items} x "
+        f"{args.item_mib} MiB (same run; copies take their modelled link time)",
+        ["setting", "mean GET ms", "median GET ms", "mean vs AM off", "same/peer/host GETs", "moved to"],
+        rows,
+    )
+    ratio = statistics.mean(on["get_s"]) / statistics.mean(off["get_s"])
+    print(f"AM changes the mean GET under pressure by {100 * (ratio - 1):+.0f}% (paper Fig. 16 right: -72%)")
+    write_json(args.json, "bench_am", {"rounds": rounds, "items": args.items, "item_mib": args.item_mib,
+                                       "gpus": GPUS, "leave": LEAVE}, results)
+
+
+if __name__ == "__main__":
+    main()
