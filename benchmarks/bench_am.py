@@ -29,12 +29,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, print_table, write_json  # noqa: E402
+from other_job import OtherJob  # noqa: E402
 
 from streambox.api_proxy.control import ProxyProcess, launch_proxy  # noqa: E402
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig  # noqa: E402
-from streambox.device import Runtime  # noqa: E402
-from streambox.device.emulated import EmulatedBackend  # noqa: E402
-from streambox.device.specs import MiB, preset  # noqa: E402
+from streambox.device.specs import MiB  # noqa: E402
 
 GPUS = 4
 WORKFLOW = "ambench"
@@ -64,31 +63,6 @@ HANDLERS = textwrap.dedent(
 #: What the other job leaves free on each GPU while it runs (GPU 0 full: the pressure; GPU 1 nearly
 #: full, GPU 2 half: rule 2 picks the least-pressured neighbour).
 LEAVE = {0: 0, 1: 32 * MiB, 2: 8 << 30}
-
-
-class OtherJob:
-    """Another process's memory on the node (timed backend: accounted in the shared ledger only)."""
-
-    def __init__(self, state_dir: Path) -> None:
-        spec = preset("v100-16gb").with_overrides(context_create_s=0.0)
-        self.backend = EmulatedBackend(spec, count=GPUS, state_dir=state_dir, mode="timed")
-        self.runtimes: dict[int, Runtime] = {g: self.backend.open_runtime(g) for g in LEAVE}
-        self.held: list[tuple[Runtime, int]] = []
-
-    def grow(self) -> None:
-        for gpu, leave in LEAVE.items():
-            rt = self.runtimes[gpu]
-            free, _ = rt.memory_info()
-            if free > leave:
-                self.held.append((rt, rt.mem_alloc(free - leave)))
-
-    def release(self) -> None:
-        for rt, address in self.held:
-            rt.mem_free(address)
-        self.held.clear()
-
-    def close(self) -> None:
-        self.backend.close()
 
 
 def _settle(proxy: ProxyProcess, moved_before: int, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -145,7 +119,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-am-") as tmp:
         root = Path(tmp)
         (root / "am_handlers.py").write_text(HANDLERS)
-        job = OtherJob(root / "state")
+        job = OtherJob(root / "state", GPUS, LEAVE)
         try:
             results = [run_setting(root, am, rounds, args.items, nbytes, job) for am in (True, False)]
         finally:
