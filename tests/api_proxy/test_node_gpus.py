@@ -8,6 +8,7 @@ bytes are the PUT's; with `am=off` the data goes to host memory and the GET is a
 
 from __future__ import annotations
 
+import asyncio
 import textwrap
 
 import pytest
@@ -16,8 +17,11 @@ from streambox.api_proxy.control import launch_proxy
 from streambox.api_proxy.keepalive import Admission, WarmProxies
 from streambox.api_proxy.node_gpus import neighbour_indices
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.config import Config
 from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import MiB, preset
+from streambox.workflows import parse_spec
+from streambox.workflows.proxy_invoker import ProxyInvoker
 
 GPUS = 4
 ITEM = 16 * MiB
@@ -116,3 +120,41 @@ def test_placement_is_least_memory_in_use_then_fewer_proxies_then_lowest_index()
     assert warm.admit("a", 0.0, loads=[0, 9, 9]) == Admission(1)  # a warm proxy stays where it is
     with pytest.raises(ValueError, match="loads for 2 devices, but the node has 3"):
         warm.admit("d", 0.0, loads=[0, 0])
+
+
+WORKFLOW = textwrap.dedent(
+    """
+    name: {name}
+    slo_ms: 1000
+    functions:
+      produce: {{handler: "nodegpus_handlers:produce"}}
+    """
+)
+
+
+def test_invoker_places_each_proxy_on_the_gpu_with_the_least_memory_in_use(tmp_path):
+    """GPU 0 busy with another job: the first proxy goes to GPU 1 (tie with GPU 2: lowest index), the
+    second to GPU 2 (GPU 1 now holds the first proxy's context and pool); stats agree."""
+    (tmp_path / "nodegpus_handlers.py").write_text(HANDLERS)
+    config = Config.from_env().with_overrides(state_dir=tmp_path / "state", gpus=3, device_mode="functional")
+    job = EmulatedBackend(preset("v100-16gb").with_overrides(context_create_s=0.0), count=3,
+                          state_dir=tmp_path / "state", mode="timed")
+    job.open_runtime(0).mem_alloc(1 << 30)
+
+    async def scenario() -> None:
+        invoker = ProxyInvoker(config, proxy_options={"prefork": 0, "am": False})
+        try:
+            for name in ("one", "two"):
+                spec = parse_spec(WORKFLOW.format(name=name), f"{name}.yaml", base_dir=tmp_path)
+                await invoker.deploy(spec)
+            assert invoker.placement() == {"one": 1, "two": 2}
+            await invoker.refresh_stats()
+            reported = {wf: s["device"]["index"] for wf, s in invoker.last_stats().items()}
+            assert reported == {"one": 1, "two": 2}
+        finally:
+            await invoker.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        job.close()
