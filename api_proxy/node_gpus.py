@@ -48,6 +48,15 @@ class Neighbours:
         self.allocators.clear()
 
 
+def start_opening(backend: Backend, indices: list[int]) -> concurrent.futures.Future[Neighbours]:
+    """`open_neighbours` on a thread of its own, so that the proxy opens its home context meanwhile."""
+    opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="streambox-neighbours")
+    try:
+        return opener.submit(open_neighbours, backend, indices)
+    finally:
+        opener.shutdown(wait=False)  # the thread ends with its one task
+
+
 def open_neighbours(backend: Backend, indices: list[int]) -> Neighbours:
     """Open a context and a pool on each of `indices`, in parallel (context creation is a wait)."""
     neighbours = Neighbours()

@@ -28,7 +28,6 @@ then frees what the request held and the instance's stream, and goes on.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -57,7 +56,7 @@ from .control import ControlGuard, ControlRefused
 from .errors import FunctionCrashed, ProxyError, encode_error
 from .issuer import Issuer
 from .lifecycle import Lifecycle
-from .node_gpus import neighbour_indices, open_neighbours
+from .node_gpus import neighbour_indices, start_opening
 from .ops import OPS, CallContext
 from .profiling import device_profile
 from .proxy_config import ProxyConfig
@@ -157,13 +156,9 @@ class ProxyServer:
         self.backend = device.open_backend()
         store_config = cfg.store_config()  # PA and AM as switched, the `store` group's knobs
         # AM's neighbour GPUs (node_gpus.py): their contexts open beside the home one.
-        opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="streambox-neighbours")
-        neighbours = opener.submit(
-            open_neighbours,
-            self.backend,
-            neighbour_indices(cfg.device, device.gpus, store_config.adaptive_movement),
+        neighbours = start_opening(
+            self.backend, neighbour_indices(cfg.device, device.gpus, store_config.adaptive_movement)
         )
-        opener.shutdown(wait=False)
         t = _now()
         self.runtime = self.backend.open_runtime(cfg.device)
         self.timings["runtime_s"] = _now() - t
@@ -183,7 +178,9 @@ class ProxyServer:
         # The store's own allocations (a reader's copy of data it moved to host memory) may evict idle
         # weights, but never ask the store itself to reclaim (no call re-enters the store).
         store_allocator = ReclaimingAllocator(self.memory.pool, [self.memory.models.evict_idle])
+        t = _now()
         self.neighbours = neighbours.result()
+        self.timings["neighbours_wait_s"] = _now() - t  # start-up time the neighbours' contexts added
         store = CommStore(
             {cfg.device: self.runtime, **self.neighbours.runtimes},
             {cfg.device: store_allocator, **self.neighbours.allocators},
