@@ -61,8 +61,9 @@ HANDLERS = textwrap.dedent(
     """
 )
 #: What the other job leaves free on each GPU while it runs (GPU 0 full: the pressure; GPU 1 nearly
-#: full, GPU 2 half: rule 2 picks the least-pressured neighbour).
-LEAVE = {0: 0, 1: 32 * MiB, 2: 8 << 30}
+#: full, GPU 2 half: rule 2 picks the least-pressured neighbour). It takes them in this order: GPU 0
+#: last, so that the store's first moves already see the neighbours' pressure.
+LEAVE = {1: 32 * MiB, 2: 8 << 30, 0: 0}
 
 
 def _settle(proxy: ProxyProcess, moved_before: int, timeout_s: float = 10.0) -> dict[str, Any]:

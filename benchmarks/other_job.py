@@ -23,7 +23,8 @@ from streambox.device.specs import MiB
 
 
 class OtherJob:
-    """Takes each GPU's free memory down to `leave[gpu]` bytes on `grow`, gives it back on `release`."""
+    """Takes each GPU's free memory down to `leave[gpu]` bytes on `grow` (in `leave`'s order), gives
+    it back on `release`."""
 
     def __init__(self, state_dir: Path, gpus: int, leave: dict[int, int], preset: str = "v100-16gb") -> None:
         spec = Config(device_preset=preset).device_spec().with_overrides(context_create_s=0.0)

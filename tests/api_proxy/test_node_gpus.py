@@ -59,8 +59,8 @@ def _proxy(root, am: bool) -> object:
 
 
 def _fill(root, leave: dict[int, int]) -> EmulatedBackend:
-    """Another job on the node: allocate each GPU's free memory down to `leave[gpu]` bytes (timed
-    mode: accounted in the shared ledger, no host memory behind it)."""
+    """Another job on the node: allocate each GPU's free memory down to `leave[gpu]` bytes, in the
+    dict's order (timed mode: accounted in the shared ledger, no host memory behind it)."""
     hog = EmulatedBackend(preset("v100-16gb").with_overrides(context_create_s=0.0), count=GPUS,
                           state_dir=root / "state", mode="timed")
     for gpu, left in leave.items():
@@ -82,7 +82,8 @@ def test_pressure_moves_data_to_the_least_pressured_neighbour_then_get_copies_it
         assert store["gpus"] == ([0, 1, 2, 3] if am else [0])  # AM off: no neighbour is opened
         client.invoke("produce", {})
         assert client.stats()["store"]["held_bytes"]["gpu0"] == ITEM
-        hog = _fill(tmp_path, {0: 8 * MiB, 1: 24 * MiB, 2: 8 << 30})
+        # The neighbours first: the pressure on GPU 0 comes last, once rule 2 can see every GPU's.
+        hog = _fill(tmp_path, {1: 24 * MiB, 2: 8 << 30, 0: 8 * MiB})
         want = "gpu3" if am else "host"
         stats = settled(client, lambda s: want in s["store"]["moved_to"], 20.0)["store"]
         assert stats["moved_to"] == {want: {"count": 1, "bytes": ITEM}}
