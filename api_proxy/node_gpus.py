@@ -24,10 +24,13 @@ from .executor import StreamPoolAllocator
 
 
 def neighbour_indices(home: int, gpus: int, adaptive: bool) -> list[int]:
-    """The GPUs the store may move data to besides `home`: every other one with AM on, else none."""
+    """The GPUs the store may move data to besides `home`: every other one with AM on, else none.
+    A one-GPU node has none, whatever `home` (the CUDA backend may run a proxy on any device)."""
+    if gpus <= 1 or not adaptive:
+        return []
     if not 0 <= home < gpus:
         raise ValueError(f"home GPU {home} is not one of the node's {gpus} GPUs (0..{gpus - 1})")
-    return [g for g in range(gpus) if g != home] if adaptive else []
+    return [g for g in range(gpus) if g != home]
 
 
 @dataclass

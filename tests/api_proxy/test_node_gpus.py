@@ -106,6 +106,7 @@ def test_neighbours_are_every_other_gpu_with_am_and_none_without():
     assert neighbour_indices(1, 4, adaptive=True) == [0, 2, 3]
     assert neighbour_indices(1, 4, adaptive=False) == []
     assert neighbour_indices(0, 1, adaptive=True) == []
+    assert neighbour_indices(2, 1, adaptive=True) == []  # one GPU: nothing to check or open
     with pytest.raises(ValueError, match="home GPU 4 is not one of the node's 4 GPUs"):
         neighbour_indices(4, 4, adaptive=True)
 
