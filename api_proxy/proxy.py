@@ -28,6 +28,7 @@ then frees what the request held and the instance's stream, and goes on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -44,6 +45,7 @@ import msgpack
 import zmq
 
 from streambox.comm import CommStore
+from streambox.comm.config import StoreConfig
 from streambox.comm.ipc_store import IpcStore
 from streambox.comm.store_protocol import Store
 from streambox.config import Config
@@ -59,6 +61,7 @@ from .control import ControlGuard, ControlRefused
 from .errors import FunctionCrashed, ProxyError, encode_error
 from .issuer import Issuer
 from .lifecycle import Lifecycle
+from .node_gpus import Neighbours, neighbour_indices, start_opening
 from .ops import OPS, CallContext
 from .profiling import device_profile
 from .proxy_config import ProxyConfig
@@ -158,6 +161,11 @@ class ProxyServer:
         cfg = self.config
         device = cfg.device_config()
         self.backend = device.open_backend()
+        store_config = cfg.store_config()  # PA and AM as switched, the `store` group's knobs
+        # AM's neighbour GPUs (node_gpus.py): their contexts open beside the home one.
+        neighbours = start_opening(
+            self.backend, neighbour_indices(cfg.device, device.gpus, store_config.adaptive_movement)
+        )
         t = _now()
         self.runtime = self.backend.open_runtime(cfg.device)
         self.timings["runtime_s"] = _now() - t
@@ -171,15 +179,20 @@ class ProxyServer:
         self.memory = ProxyMemory(
             self.runtime, cfg.memory_options(), profile_for=profile_for, daemon=self.io
         ).start()
-        self.store = self._open_store(cfg)
+        self.store = self._open_store(cfg, store_config, neighbours)
         return device
 
-    def _open_store(self, cfg: ProxyConfig) -> Store:
+    def _open_store(
+        self, cfg: ProxyConfig, store_config: StoreConfig, neighbours: concurrent.futures.Future[Neighbours]
+    ) -> Store:
         """The communication store the `comm_store` setting names: StreamBox's managed store, or
         stream-only's CUDA-IPC style one (fresh allocations outside the pool, no pressure awareness)."""
+        t = _now()
+        self.neighbours = neighbours.result()  # none unless AM is on (the managed store only)
+        self.timings["neighbours_wait_s"] = _now() - t  # start-up time the neighbours' contexts added
         if cfg.resolved_comm_store == "ipc":
-            return IpcStore({cfg.device: self.runtime}, node=f"proxy-{cfg.workflow}",
-                            config=cfg.store_config(), clock=_now).start()
+            return IpcStore({cfg.device: self.runtime, **self.neighbours.runtimes},
+                            node=f"proxy-{cfg.workflow}", config=store_config, clock=_now).start()
         # The store's capacity: a fraction of the idle memory the pool's demand model predicts over
         # the window. It allocates from the pool (it fences and retires its own streams' frees).
         store_idle = PoolIdleMemory(self.memory.pool, self.memory.board, self.memory.scaler)
@@ -187,11 +200,12 @@ class ProxyServer:
         # weights, but never ask the store itself to reclaim (no call re-enters the store).
         store_allocator = ReclaimingAllocator(self.memory.pool, [self.memory.models.evict_idle])
         store = CommStore(
-            {cfg.device: self.runtime},
-            {cfg.device: store_allocator},
+            {cfg.device: self.runtime, **self.neighbours.runtimes},
+            {cfg.device: store_allocator, **self.neighbours.allocators},
             node=f"proxy-{cfg.workflow}",
-            idle={cfg.device: store_idle},
-            config=cfg.store_config(),  # PA and AM as switched, the `store` group's knobs
+            # A neighbour's idle memory: observed free (None), its demand model is in other proxies.
+            idle={cfg.device: store_idle, **dict.fromkeys(self.neighbours.runtimes)},
+            config=store_config,
             clock=_now,  # the position board's clock, which the prediction compares `now` with
         )
         store_idle.store_bytes = lambda: store.usage()[cfg.device]
@@ -220,6 +234,7 @@ class ProxyServer:
         self.resources.close()
         self.io.close()
         self.store.close()
+        self.neighbours.close()
         self.memory.pool.fence(self.resources.service)
         self.memory.close()
         self.runtime.close()

@@ -213,7 +213,9 @@ class BurstReport:
     warmup: int = 0  # requests sent before `outcomes` and left out of them
     proxy_options: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)  # the proxy's resolved tree (its `stats`)
-    store: dict[str, Any] = field(default_factory=dict)  # its communication store's counters (`stats`)
+    # The proxy's GPU and its store as its `stats` reported last (moves per destination with --gpus N).
+    gpu: int | None = None
+    store: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> int:
@@ -270,6 +272,7 @@ class BurstReport:
             "params": self.params,
             "proxy_options": self.proxy_options,
             "settings": self.settings,
+            "gpu": self.gpu,
             "store": self.store,
             "ok": self.ok,
             "failed": self.failed,
@@ -416,6 +419,7 @@ class Deployment:
         finally:
             sampler.cancel()
         memory = await self.memory()
+        last = self.invoker.last_stats().get(self.spec.name, {})
         starts, self._proxy_starts_reported = (
             self.invoker.proxy_starts - self._proxy_starts_reported,
             self.invoker.proxy_starts,
@@ -434,8 +438,9 @@ class Deployment:
             peak_memory=peak[0].peak(memory),
             warmup=warmup,
             proxy_options=self.proxy_options,
-            settings=dict(self.invoker.last_stats().get(self.spec.name, {}).get("settings", {})),
-            store=dict(self.invoker.last_stats().get(self.spec.name, {}).get("store", {})),
+            settings=dict(last.get("settings", {})),
+            gpu=last.get("device", {}).get("index"),
+            store=dict(last.get("store", {})),
         )
 
 
@@ -509,6 +514,17 @@ def _mechanisms(settings: dict[str, Any]) -> str:
     )
 
 
+def _store_line(store: dict[str, Any]) -> str:
+    """GETs by transport and moves by destination, in one line."""
+    gets = store.get("gets", {})
+    moved_to = sorted(store.get("moved_to", {}).items())
+    moved = ", ".join(f"{k} {v['count']} ({_mib(v['bytes'])})" for k, v in moved_to)
+    return (
+        f"GETs same/peer/host {gets.get('same-gpu', 0)}/{gets.get('peer-copy', 0)}/"
+        f"{gets.get('host-to-device', 0)}; moved to {moved or 'nowhere'}"
+    )
+
+
 def print_report(report: BurstReport, file: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -545,6 +561,8 @@ def print_report(report: BurstReport, file: Any = None) -> None:
         rows.insert(1, ("warm-up requests (not counted)", str(report.warmup)))
     if report.settings:
         rows.append(("mechanisms", _mechanisms(report.settings)))
+    if report.store:
+        rows.append(("store (GPU " + str(report.gpu) + ")", _store_line(report.store)))
     for row in rows:
         summary.add_row(*row)
     console.print(summary)

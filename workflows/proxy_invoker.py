@@ -8,6 +8,10 @@
   `InvocationTimeout`.
 - Warm proxies follow `keepalive.WarmProxies`: at most `max_proxies_per_device` (3) per GPU, the
   longest-idle one evicted first when another is needed, idle ones stopped after `keep_alive_s`.
+- Placement on a node of several GPUs (`--gpus N`): a proxy starts on the GPU with the least memory
+  in use as the node reports it (every process's contexts, pools, weights and other jobs), ties to
+  the GPU with fewer warm proxies, then the lowest index (`WarmProxies.admit`). `placement()` and
+  each proxy's `stats` (`device.index`) say where each one runs.
 - `runtime_stats()` (the gateway's `/metrics` callback) returns what the proxies reported last; a
   background task refreshes it every `stats_period_s`.
 """
@@ -97,6 +101,7 @@ class ProxyInvoker:
         self.stats_period_s = stats_period_s
         self._workflows: dict[str, _Deployed] = {}
         self._housekeeping: asyncio.Task[None] | None = None
+        self._backend: Any = None  # opened for the node's memory use when placing on several GPUs
         self.proxy_starts = 0
 
     @classmethod
@@ -111,9 +116,9 @@ class ProxyInvoker:
         config = proxy_config_for(spec, self.config, self.system, **self.proxy_options)
         self._workflows[spec.name] = wf = _Deployed(spec, config)
         self._ensure_housekeeping()
-        admission = self.warm.admit(spec.name, time.monotonic())
+        admission = self.warm.admit(spec.name, time.monotonic(), self._device_loads())
         if not admission.evict and not admission.wait:
-            await self._start(wf)
+            await self._start(wf, admission.device)
 
     async def invoke(
         self,
@@ -187,6 +192,21 @@ class ProxyInvoker:
                 unprofiled_runs=s.get("profiles", {}).get("unprofiled_runs", 0),
             )
 
+    def placement(self) -> dict[str, int]:
+        """The GPU of each warm proxy, by workflow."""
+        return {name: self.warm.device_of(name) for name in self.warm.warm()}  # type: ignore[misc]
+
+    def _device_loads(self) -> list[int] | None:
+        """Device memory in use per GPU of the node (every process's), for placement; None on a
+        one-GPU node or when the backend reports fewer devices than the node is configured with."""
+        gpus = self.config.gpus
+        if gpus < 2:
+            return None
+        if self._backend is None:
+            self._backend = self.config.open_backend()
+        usage = self._backend.device_usage()
+        return [u.used_memory for u in usage[:gpus]] if len(usage) >= gpus else None
+
     def last_stats(self) -> dict[str, dict[str, Any]]:
         """Each warm proxy's last `stats` reply, by workflow (refreshed every `stats_period_s`)."""
         return {name: wf.stats for name, wf in list(self._workflows.items()) if wf.stats}
@@ -208,7 +228,7 @@ class ProxyInvoker:
             await asyncio.shield(wf.starting)
             return True
         while True:
-            admission = self.warm.admit(wf.spec.name, time.monotonic())
+            admission = self.warm.admit(wf.spec.name, time.monotonic(), self._device_loads())
             if not admission.wait:
                 break
             await asyncio.sleep(0.01)  # every proxy on that GPU is busy: wait for one to go idle
@@ -217,16 +237,14 @@ class ProxyInvoker:
         await self._start(wf, admission.device)
         return True
 
-    async def _start(self, wf: _Deployed, device: int | None = None) -> None:
+    async def _start(self, wf: _Deployed, device: int) -> None:
         loop = asyncio.get_running_loop()
         wf.starting = loop.create_future()
         try:
-            admission = self.warm.admit(wf.spec.name, time.monotonic()) if device is None else None
-            index = device if device is not None else admission.device  # type: ignore[union-attr]
-            config = wf.config.with_overrides(device=index)
+            config = wf.config.with_overrides(device=device)
             wf.proxy = await asyncio.to_thread(launch_proxy, config)
             wf.client = AsyncProxyClient(wf.proxy.address)
-            self.warm.started(wf.spec.name, index, time.monotonic())
+            self.warm.started(wf.spec.name, device, time.monotonic())
             self.proxy_starts += 1
             wf.starting.set_result(None)
         except BaseException as exc:

@@ -79,6 +79,9 @@ def test_cli_burst_through_the_gateway_reports_latency_cold_starts_and_memory(ti
     assert (settings["pa"], settings["bt"], settings["am"]) == (False, False, True)
     assert settings["pool_mode"] == "fm+rs" and settings["io_label"] == "RZ+PB"
     assert settings["inputs"] == "small" and settings["device"]["device_mode"] == "timed"
+    # Where the proxy ran and its store, as its stats said (one GPU: no neighbour, nothing moved).
+    assert report["gpu"] == 0 and report["store"]["gpus"] == [0] and report["store"]["moved_to"] == {}
+    assert "store (GPU 0)" in printed
 
 
 def test_burst_straight_to_the_engine_with_stream_sync_completion(tiny):
