@@ -106,6 +106,10 @@ class ProxyConfig(Mechanisms, Tuning):
     # dispatcher to have nothing else to do (api_proxy/issuer.py); 0: issued on the dispatcher.
     issue_threads: int = Field(2, ge=0)
     issue_slice: int = Field(8, ge=1)
+    # The proxy process's GIL switch interval (`sys.setswitchinterval`); None: Python's 5 ms. A thread
+    # that gave the GIL up in a system call (a stream worker taking the device ledger's lock) waits
+    # up to this long for it while another thread computes.
+    switch_interval_us: float | None = Field(None, gt=0)
     model_shapes: Literal["small", "full"] = Field(
         default_factory=env_factory("inputs", "model_shapes", default="small")
     )
