@@ -114,6 +114,10 @@ class ProxyConfig(Mechanisms, Tuning):
         default_factory=env_factory("inputs", "model_shapes", default="small")
     )
     preload: tuple[str, ...] = ("torch",)  # modules the template imports before any handler
+    # torch's intra-op threads in function instances (0: torch's default, one per core). Instances
+    # share the host's cores with each other and with the proxy's issuing threads; their handlers'
+    # CPU work is small (decoding, resizing, NMS), so more threads only oversubscribe the cores.
+    instance_threads: int = Field(1, ge=0)
     sys_path: tuple[str, ...] = ()  # prepended in the template (where the handler modules live)
     huge_pages: bool = True  # back the template's heap with huge pages (cheaper forks)
     prefork: int = Field(2, ge=0)  # spare instances the template keeps forked ahead (0: on demand)
