@@ -52,6 +52,7 @@ from streambox.config import Config
 from streambox.io_daemon import IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.memory_pool.idle import PoolIdleMemory
+from streambox.phases import op_phase
 
 from . import protocol
 from .batched_infer import batch_sizes
@@ -316,16 +317,19 @@ class ProxyServer:
             self._reply(inst, call.call_id, False, encode_error(error))
             return
         context = CallContext(inst, inv, self.config.device, self._request_ended)
-        op = OPS[call.op]
+        op, phase = OPS[call.op], op_phase(call.op)
+        started = time.perf_counter()
         try:
             if inst.gates:  # the instance's uploads first: issued by the daemon, then waited on
                 result = self._after_uploads(op, context, call.args)
             else:
                 result = op(self.resources, context, *call.args)
         except Exception as exc:  # noqa: BLE001 - a failed call fails only that call
+            inv.phases.add(phase, started, time.perf_counter())
             self._reply(inst, call.call_id, False, encode_error(exc))
             return
-        self.calls.run(inst, inv, call.call_id, result)
+        inv.phases.add(phase, started, time.perf_counter())  # a plain op's work (a generator's: none yet)
+        self.calls.run(inst, inv, call.call_id, result, phase)
 
     def _after_uploads(self, op: Any, context: CallContext, args: list[Any]) -> Any:
         yield from self.resources.uploads_issued(context.inst)
@@ -419,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     SIGTERM, or when the process that started it dies."""
     args = sys.argv[1:] if argv is None else argv
     config = ProxyConfig.from_json(args[0])
+    if config.switch_interval_us is not None:
+        sys.setswitchinterval(config.switch_interval_us * 1e-6)
     # Not PR_SET_PDEATHSIG: it fires when the launching *thread* ends (launchers use thread pools).
     # The dispatcher's timers watch the parent process instead and shut down when it is gone.
     server = ProxyServer(config)

@@ -111,10 +111,18 @@ class ProxyConfig(Mechanisms, Tuning):
     # dispatcher to have nothing else to do (api_proxy/issuer.py); 0: issued on the dispatcher.
     issue_threads: int = Field(2, ge=0)
     issue_slice: int = Field(8, ge=1)
+    # The proxy process's GIL switch interval (`sys.setswitchinterval`); None: Python's 5 ms. A thread
+    # that gave the GIL up in a system call (a stream worker taking the device ledger's lock) waits
+    # up to this long for it while another thread computes.
+    switch_interval_us: float | None = Field(None, gt=0)
     model_shapes: Literal["small", "full"] = Field(
         default_factory=env_factory("inputs", "model_shapes", default="small")
     )
     preload: tuple[str, ...] = ("torch",)  # modules the template imports before any handler
+    # torch's intra-op threads in function instances (0: torch's default, one per core). Instances
+    # share the host's cores with each other and with the proxy's issuing threads; their handlers'
+    # CPU work is small (decoding, resizing, NMS), so more threads only oversubscribe the cores.
+    instance_threads: int = Field(1, ge=0)
     sys_path: tuple[str, ...] = ()  # prepended in the template (where the handler modules live)
     huge_pages: bool = True  # back the template's heap with huge pages (cheaper forks)
     prefork: int = Field(2, ge=0)  # spare instances the template keeps forked ahead (0: on demand)

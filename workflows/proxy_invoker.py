@@ -30,6 +30,7 @@ from streambox.api_proxy.errors import FunctionFailed, FunctionTimeout, ProxyErr
 from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_PROXIES_PER_DEVICE, WarmProxies
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
 from streambox.config import Config
+from streambox.phases import COLD_START, DEVICE_WAIT, QUEUE
 
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
 from .spec import WorkflowSpec
@@ -136,6 +137,7 @@ class ProxyInvoker:
         fn_timeout = wf.config.function(function).timeout_s
         limit = fn_timeout if timeout_s is None else min(fn_timeout, timeout_s)
         proxy_cold = await self._ensure_proxy(wf)
+        proxy_start_s = time.perf_counter() - started if proxy_cold else 0.0
         assert wf.client is not None
         self.warm.begin(workflow, time.monotonic())
         try:
@@ -155,9 +157,18 @@ class ProxyInvoker:
         finally:
             if workflow in self._workflows and workflow in self.warm.warm():
                 self.warm.end(workflow, time.monotonic())
-        return InvocationResult(
-            reply["output"], bool(reply["cold_start"]) or proxy_cold, time.perf_counter() - started
-        )
+        latency_s = time.perf_counter() - started
+        phases = dict(reply.get("phases") or {})
+        before_run = phases.get(COLD_START, 0.0) + phases.get(QUEUE, 0.0)
+        in_call = sum(phases.values()) - before_run - reply["finish_s"]  # measured during the run
+        other = {
+            "handler": reply["run_s"] - in_call,  # the handler's own code, the channel, dispatcher delays
+            "control": latency_s - proxy_start_s - reply["latency_s"],  # the control hop, this invoker
+        }
+        phases[COLD_START] = phases.get(COLD_START, 0.0) + proxy_start_s  # the proxy's own start too
+        cold = bool(reply["cold_start"]) or proxy_cold
+        detail = {DEVICE_WAIT: reply.get("device_wait_s", 0.0)}
+        return InvocationResult(reply["output"], cold, latency_s, phases, other, detail)
 
     async def end_request(self, workflow: str, request_id: str) -> None:
         wf = self._workflows.get(workflow)
