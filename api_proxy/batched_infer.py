@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from streambox.device import Event
 from streambox.kernel_compiler.plan import KernelPlan
+from streambox.phases import QUEUE
 
 from .batcher import Batch, Gatherer, Limits
 from .device_tensor import DeviceTensor
@@ -164,7 +165,7 @@ def infer_batched(
     if batch.leader is not member:
         return (yield Offload(member.result, f"the batched inference of {model!r}"))
     try:
-        yield Offload(member.closed, f"gathering a batch for {model!r}")
+        yield Offload(member.closed, f"gathering a batch for {model!r}", QUEUE)  # waiting for peers
     except GeneratorExit:  # this call was dropped (its instance died or its request ended)
         res.batching.abandon(batch, ProxyError(f"the batch of {model!r} lost the call that was to run it"))
         raise
