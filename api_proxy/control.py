@@ -140,6 +140,20 @@ class ControlGuard:
         return call_id, message[1], message[2]
 
 
+_CONTEXT: tuple[int, zmq.Context[Any]] | None = None
+
+
+def process_context() -> zmq.Context[Any]:
+    """This process's zmq context for proxy clients (a new one after a fork). Clients close only
+    their sockets: a context of their own, left to the garbage collector in a reference cycle,
+    would `term()` while its socket (already unreachable, not yet finalized) is still open, and
+    hang the process forever."""
+    global _CONTEXT
+    if _CONTEXT is None or _CONTEXT[0] != os.getpid():
+        _CONTEXT = (os.getpid(), zmq.Context(io_threads=1))
+    return _CONTEXT[1]
+
+
 class ProxyClient:
     """A blocking client of one proxy's control socket (one thread at a time)."""
 
@@ -156,8 +170,7 @@ class ProxyClient:
             alive = lambda: _exit_reason(process)  # noqa: E731
         self._alive = alive
         self._key = _known_key(address, key)
-        self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock = process_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
         self._ids = itertools.count(1)
@@ -202,7 +215,6 @@ class ProxyClient:
 
     def close(self) -> None:
         self._sock.close(0)
-        self._ctx.term()
 
 
 class AsyncProxyClient:
@@ -223,7 +235,8 @@ class AsyncProxyClient:
         known = _KNOWN.get(address)
         self._process = process if process is not None else (known.process if known else None)
         self._key = _known_key(address, key)
-        self._ctx = zmq.asyncio.Context(io_threads=1)
+        # A shadow of the process's context: it never terms it (see `process_context`).
+        self._ctx = zmq.asyncio.Context(shadow=process_context().underlying)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
@@ -324,7 +337,6 @@ class AsyncProxyClient:
             if not future.done():
                 future.set_exception(ProxyError(f"proxy client {self.address} closed"))
         self._sock.close(0)
-        self._ctx.term()
 
 
 @dataclass
