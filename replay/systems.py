@@ -60,6 +60,10 @@ from .target import Outcome, SystemRequest
 #: The paper's keep-alive (10 minutes of trace time).
 PAPER_KEEP_ALIVE_S = 600.0
 COMMON_OPTIONS = ("inputs", "keep_alive_s", "variants")
+#: What deploying does before the first request, said in every run's settings because it differs:
+#: the proxies load the models at deploy but fork their function instances at the first request
+#: (those requests are cold starts); the per-instance systems start `prewarm` instances at deploy.
+PROXY_STARTUP = "deploy loads the models into the proxy; function instances fork at their first request"
 #: The device a replay runs on unless told otherwise: timed, so that GPU time is modelled.
 REPLAY_DEVICE_DEFAULTS = {"device_mode": "timed"}
 
@@ -268,6 +272,7 @@ def _proxy_settings(system: str) -> Callable[[WorkflowOptions, dict[str, str]], 
         keep = parsed.get("weights_keep_alive_s")
         return {
             **resolved,
+            "startup": PROXY_STARTUP,
             "weights_keep_alive_s": options.keep_alive_s if keep is None else keep,
             "completion": parsed.get("completion") or env_default("completion") or "poll",
             "channel": parsed.get("channel") or env_default("channel") or "shm",
@@ -349,7 +354,9 @@ def _monolithic_settings(
     system: str, data_path: str
 ) -> Callable[[WorkflowOptions, dict[str, str]], dict[str, Any]]:
     def resolve(options: WorkflowOptions, rest: dict[str, str]) -> dict[str, Any]:
-        return {"system": system, "data_path": data_path, **_monolithic_options(system, rest).model_dump()}
+        own = _monolithic_options(system, rest)
+        startup = f"deploy starts {own.prewarm} instance(s) per function: process, runtime and models"
+        return {"system": system, "data_path": data_path, "startup": startup, **own.model_dump()}
 
     return resolve
 
