@@ -208,26 +208,20 @@ def data_paths(redis: RedisServer | None, repeats: int, ipc_repeats: int) -> lis
                 store.put(key, tensor, device=0, consumers=1, stream=streams[0])
                 store.get(key, device=0).release()
 
-            def astraea(n=n) -> None:
+            def instances(pair: list, n: int = n) -> None:  # producer instance -> consumer instance
                 tensor, ready = produced(n)
                 key = f"bench/r/{next(counter)}"
-                handles[0].put(key, tensor, ready, "r", consumers=1)
-                got, _ = handles[1].get(key, 5.0, streams[1])
-                allocs[1].free(got.address, streams[1])
-
-            def infless(n=n) -> None:
-                tensor, ready = produced(n)
-                key = f"bench/r/{next(counter)}"
-                redis_stores[0].put(key, tensor, ready, "r", consumers=1)
-                got, _ = redis_stores[1].get(key, 5.0, streams[1])
+                pair[0].put(key, tensor, ready, "r", consumers=1)
+                got, _ = pair[1].get(key, 5.0, streams[1])
                 allocs[1].free(got.address, streams[1])
 
             row["streambox_s"] = _timed(streambox, repeats, lambda _: store.synchronize())
-            row["astraea_s"] = _timed(astraea, repeats, lambda _: handles[0].reap())  # off the path
+            row["astraea_s"] = _timed(lambda: instances(handles), repeats,
+                                      lambda _: handles[0].reap())  # the producer frees off the path
             row["astraea_modelled_s"] = (CudaIpcModel().export_s + CudaIpcModel().open_s
                                          + CudaIpcModel().close_s + n / spec.link.device_bandwidth)
             if redis_stores is not None:
-                row["infless_s"] = _timed(infless, ipc_repeats)
+                row["infless_s"] = _timed(lambda: instances(redis_stores), ipc_repeats)
             rows.append(row)
         for s in (*handles, *(redis_stores or ())):
             s.close()
