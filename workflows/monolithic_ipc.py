@@ -255,7 +255,13 @@ class IpcHandleStore:
             meta = registry.read(key)
             if meta is None:
                 return None
-            segment = _attach(meta["segment"]) if meta["segment"] is not None else None
+            try:
+                segment = _attach(meta["segment"]) if meta["segment"] is not None else None
+            except FileNotFoundError:
+                registry.retire(key)
+                raise StoreError(
+                    f"GET of key {key!r}: its producer (pid {meta['producer']}) is gone and its data with it"
+                ) from None
             last = False
             if meta["left"] > 0:
                 meta["left"] -= 1

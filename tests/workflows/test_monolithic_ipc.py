@@ -93,3 +93,15 @@ def test_refusals_and_the_end_of_a_request(sides: tuple[_Side, _Side]) -> None:
     assert producer.store.reap() == 2 and producer.store.cached_bytes == 0
     with pytest.raises(StoreError, match="request r1 has ended"):
         _put(producer, "wf/r1/late", x)
+
+
+def test_a_get_whose_producer_is_gone_says_so(sides: tuple[_Side, _Side]) -> None:
+    producer, consumer = sides
+    if producer.runtime.timed:
+        pytest.skip("timed mode mirrors nothing: the producer's data is phantom")
+    _put(producer, "wf/r1/orphan", torch.ones(8))
+    segment = producer.store._exported["wf/r1/orphan"].segment
+    assert segment is not None
+    segment.unlink()  # what the producer's exit leaves: no segment behind the handle
+    with pytest.raises(StoreError, match=r"its producer \(pid \d+\) is gone"):
+        consumer.store.get("wf/r1/orphan", timeout=1.0, stream=consumer.stream)
