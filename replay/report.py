@@ -51,6 +51,11 @@ PAPER_CLAIMS = {
         "throughput": "6.7x vs INFless (Fig. 13)",
         "latency": "up to -98% (startup 5.8 s -> 5 ms, Fig. 14c)",
     },
+    "astraea": {
+        "mean memory": "-79% to -82% on average (vs INFless/Astraea, Fig. 12)",
+        "throughput": "5.3x vs Astraea (Fig. 13)",
+        "latency": "up to -98% (vs INFless/Astraea, Fig. 14c)",
+    },
 }
 PAPER_CLAIMS["monolithic"] = PAPER_CLAIMS["infless"]  # the deprecated name of infless
 
