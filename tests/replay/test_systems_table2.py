@@ -18,7 +18,9 @@ FUNCTIONS = len(load_workflow("traffic", small=True)[0].functions)
 # Nothing expires within the run; timed: GPU time is modelled (the replay's default, said here too).
 OPTIONS = {"keep_alive_s": "60", "device_mode": "timed"}
 
-pytestmark = pytest.mark.slow  # four deploys (about 1 min of CPU; minutes of wall on a busy machine)
+# Four deploys: about a minute of CPU, minutes of wall on a busy machine (the fixture's time counts
+# against the first test's limit).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 async def _replay(system: str) -> dict[str, Any]:
