@@ -29,6 +29,10 @@ against (INFless-like; paper section 2 and 9).
   takes the last one deletes the key, and a GET that finds the consumers all taken keeps waiting (as
   with `LocalStore`, it times out). `ttl` becomes a Redis expiry of `K` and `K#meta`. Unlike run-local,
   every GET is a private copy in the consumer's runtime, freed at the end of its invocation.
+- **Or CUDA-IPC handles** (`data_path="cuda-ipc"`, the replay's `astraea`): no Redis; the producer
+  keeps the tensor in its own GPU memory, consumers open a handle and copy it device-to-device, the
+  invoker's handle registry (a shared directory) holds the keys and `end_request` marks the request
+  ended (`monolithic_ipc.py`).
 - **Failures**: a handler that raises fails its call only (the instance stays warm); an instance that
   dies fails its call and is discarded (the device ledger reclaims its runtime when the process is
   gone); a call past its time limit is answered with `InvocationTimeout` and its instance is killed.
