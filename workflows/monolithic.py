@@ -706,6 +706,8 @@ class MonolithicInvoker:
                         instance = fn.instances.get(instance_id)  # type: ignore[arg-type]
                         if instance is not None and self._detach(fn, instance):
                             self._spawn(self._terminate(instance, kill=False))
+            if self._registry is not None:  # as Redis expires its ended markers
+                self._registry.forget_ended(ENDED_TTL_S)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

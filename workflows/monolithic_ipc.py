@@ -100,6 +100,17 @@ class HandleRegistry:
         """Mark the request ended: its keys are retired, its later PUTs refused."""
         self.ended_path(workflow, request_id).touch()
 
+    def forget_ended(self, older_than_s: float) -> int:
+        """Drop the markers of requests that ended more than `older_than_s` ago; how many went."""
+        cutoff = time.time() - older_than_s
+        gone = 0
+        for marker in self.ended.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if marker.stat().st_mtime < cutoff:
+                    marker.unlink()
+                    gone += 1
+        return gone
+
     def read(self, key: str) -> dict[str, Any] | None:
         """The key's metadata, or None (never put, retired, or past its TTL). Call under `locked`."""
         path = self.key_path(key)

@@ -93,6 +93,8 @@ def test_refusals_and_the_end_of_a_request(sides: tuple[_Side, _Side]) -> None:
     assert producer.store.reap() == 2 and producer.store.cached_bytes == 0
     with pytest.raises(StoreError, match="request r1 has ended"):
         _put(producer, "wf/r1/late", x)
+    registry = producer.store.registry
+    assert registry.forget_ended(60.0) == 0 and registry.forget_ended(-1.0) == 1  # markers age out
 
 
 def test_a_get_whose_producer_is_gone_says_so(sides: tuple[_Side, _Side]) -> None:
