@@ -11,10 +11,10 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet -e '.[dev,compiler]'
 	touch $(STAMP)
 
-# The README's main job: a short timed trace replay of Traffic on three systems, then the comparison.
+# The README's main job: the paper's figures 12-14 (memory, throughput, latency): the three bundled
+# workflows, every system of Table 2 the replay knows, the same arrivals from the shipped Azure sample.
 demo: $(STAMP)
-	$(VENV)/bin/streambox replay --workflow traffic --system streambox,stream-only,infless \
-		--minutes 30 --minute-seconds 1 --scale 0.25 --out runs/demo --overwrite
+	$(VENV)/bin/streambox paper 12 13 14 --out runs/demo
 
 burst: $(STAMP)
 	$(VENV)/bin/streambox burst traffic

@@ -7,7 +7,7 @@ start.
 - `Completion` (device work before an event): polled by the dispatcher between messages (sync-lite,
   `completion="poll"`), or waited for by a helper thread that posts back (`completion="sync"`).
 - `KeyPut` (a GET whose key is not there yet): the store calls back on the key's PUT
-  (`CommStore.watch`); a deadline here fails the GET if none comes.
+  (`Store.watch`); a deadline here fails the GET if none comes.
 
 A call whose instance died or whose invocation ended while it was parked is closed (its `finally`
 blocks run) instead of resumed. All of it runs on the dispatcher thread; helper threads only `post`.
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import GeneratorType
 from typing import Any
 
-from streambox.comm import CommStore
+from streambox.comm.store_protocol import Store
 from streambox.device import Event
 
 from .errors import ProxyError, encode_error
@@ -62,7 +62,7 @@ class Calls:
 
     def __init__(
         self,
-        store: CommStore,
+        store: Store,
         reply: Reply,
         wake: Callable[[], None],
         handle_held: Callable[[Instance, Any], None],

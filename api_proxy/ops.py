@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from streambox.comm.store_protocol import adopted
 from streambox.kernel_compiler.ops import invoke_kernel
 from streambox.kernel_compiler.plan import KernelPlan
 
@@ -154,8 +155,10 @@ def op_put(res: Resources, call: CallContext, key: Any, handle: Any, consumers: 
             f"PUT {key!r}: this buffer already belongs to the communication store (it came from a GET "
             f"or an earlier PUT); PUT a copy instead (ctx.alloc + ctx.memcpy)"
         )
-    res.store.put(key, t, device=call.device, consumers=consumers, ttl=ttl, stream=call.inst.stream)
-    res.buffers.disown(t.address)  # the store owns the bytes now; the handle stays usable
+    where = res.store.put(key, t, device=call.device, consumers=consumers, ttl=ttl, stream=call.inst.stream)
+    if adopted(where, t, call.device):  # the managed store took the bytes over; the handle stays usable
+        res.buffers.disown(t.address)
+    # else the store copied them (CUDA-IPC style): the buffer stays the request's, freed with it
 
 
 def op_get(res: Resources, call: CallContext, key: Any, timeout: Any) -> Op:

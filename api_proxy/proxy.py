@@ -44,6 +44,8 @@ import msgpack
 import zmq
 
 from streambox.comm import CommStore
+from streambox.comm.ipc_store import IpcStore
+from streambox.comm.store_protocol import Store
 from streambox.config import Config
 from streambox.io_daemon import IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
@@ -166,6 +168,15 @@ class ProxyServer:
         self.memory = ProxyMemory(
             self.runtime, cfg.memory_options(), profile_for=profile_for, daemon=self.io
         ).start()
+        self.store = self._open_store(cfg)
+        return device
+
+    def _open_store(self, cfg: ProxyConfig) -> Store:
+        """The communication store the `comm_store` setting names: StreamBox's managed store, or
+        stream-only's CUDA-IPC style one (fresh allocations outside the pool, no pressure awareness)."""
+        if cfg.resolved_comm_store == "ipc":
+            return IpcStore({cfg.device: self.runtime}, node=f"proxy-{cfg.workflow}",
+                            config=cfg.store_config(), clock=_now).start()
         # The store's capacity: a fraction of the idle memory the pool's demand model predicts over
         # the window. It allocates from the pool (it fences and retires its own streams' frees).
         store_idle = PoolIdleMemory(self.memory.pool, self.memory.board, self.memory.scaler)
@@ -181,11 +192,10 @@ class ProxyServer:
             clock=_now,  # the position board's clock, which the prediction compares `now` with
         )
         store_idle.store_bytes = lambda: store.usage()[cfg.device]
-        self.store = store.start()
         # An allocation the pool cannot meet also has the store move stored data off the GPU (to a
         # peer GPU or host memory, by the store's rules) before it fails; run outside the pool's lock.
-        self.memory.allocator.reclaimers.append(lambda nbytes: self.store.reclaim(cfg.device, nbytes))
-        return device
+        self.memory.allocator.reclaimers.append(lambda nbytes: store.reclaim(cfg.device, nbytes))
+        return store.start()
 
     def _open_control(self) -> None:
         self._zmq = zmq.Context(io_threads=1)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from streambox.comm import CommStore
 from streambox.comm.errors import GetTimeout
+from streambox.comm.store_protocol import Store
 from streambox.device import Event, Runtime, Stream
 from streambox.io_daemon import CopyRequest, IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
@@ -68,7 +68,7 @@ class Resources:
         runtime: Runtime,
         memory: ProxyMemory,
         io: IODaemon,
-        store: CommStore,
+        store: Store,  # CommStore (managed) or IpcStore (CUDA-IPC style)
         model_pool: ModelPool,
         *,
         model_shapes: str,

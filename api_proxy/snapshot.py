@@ -40,6 +40,11 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
             "trims": pool.counters.trims,  # times the pool gave memory back to the device
         },
         "keys": len(server.store.keys()),
+        "store": {  # the data path: which store, what it holds (HOST: -1) and what it did
+            "kind": server.config.resolved_comm_store,
+            "stored_bytes": {str(gpu): n for gpu, n in server.store.usage().items()},
+            **asdict(server.store.stats),
+        },
         "buffers": len(res.buffers),
         # Streams of dropped instances not destroyed yet, and streams the pool holds frees for.
         "retiring_streams": server.lifecycle.retiring,

@@ -517,6 +517,16 @@ def print_pressure(rows: list[dict], ipc_row: dict | None, setup: PressureSetup)
         print(f"PA+AM vs Func-IPC under pressure: {_ratio(model)} (model), {_ratio(wall)} (wall)")
 
 
+def proxy_stores(quick: bool) -> list[dict]:
+    """Part 3: PUT+GET through real proxies, managed vs CUDA-IPC style store (benchmarks/comm_proxy.py)."""
+    import comm_proxy
+
+    repeats = 3 if quick else 10
+    rows = comm_proxy.measure(repeats)
+    comm_proxy.print_rows(rows, repeats)
+    return rows
+
+
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=None, help="repetitions of the fast GETs")
@@ -545,6 +555,7 @@ def main() -> int:
                 ((False, False), (True, False), (False, True), (True, True))]
         ipc_row = func_ipc_pressure(redis, rounds, setup) if redis is not None else None
         print_pressure(rows, ipc_row, setup)
+        proxy_stores(args.quick)
     finally:
         if redis is not None:
             redis.stop()

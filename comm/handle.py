@@ -14,7 +14,7 @@ from .errors import CommError
 from .tables import dtype_name
 
 if TYPE_CHECKING:
-    from .store import CommStore
+    from .store_protocol import Store
 
 
 class Allocator(Protocol):
@@ -43,6 +43,7 @@ class Transport(enum.Enum):
     SAME_GPU = "same-gpu"  # the stored address itself
     PEER = "peer-copy"  # another GPU of the node
     HOST = "host-to-device"  # data the store moved to host memory
+    IPC = "ipc-handle"  # the producer's exported CUDA IPC handle, opened by the reader (IpcStore)
     RPC = "rpc"  # another node
 
 
@@ -81,7 +82,7 @@ class Handle:
     nbytes) and its `view(runtime)`, so it can be passed wherever one is expected.
     """
 
-    _store: CommStore
+    _store: Store  # CommStore or IpcStore
     lease_id: int
     key: str
     device: int

@@ -42,6 +42,7 @@ from .config import IdlePredictor, StoreConfig
 from .errors import CommError, GetTimeout, KeyExists, StoreClosed
 from .handle import Allocator, DeviceTensorLike, Handle, StoreStats, Transport, span_bytes
 from .policy import HOST, GpuState, ItemState, Move
+from .store_protocol import PutWatchers, check_put_args, tensor_layout
 from .tables import GlobalTable, GlobalView, Location, NodeTable, dtype_name, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class CommStore:
         self._lease_ids = itertools.count(1)
         self._seq = itertools.count()
         self._gone: OrderedDict[str, str] = OrderedDict()
-        self._watchers: dict[str, list[Callable[[], None]]] = {}  # one-shot PUT notifications
+        self._watchers = PutWatchers(self._cond)  # one-shot PUT notifications
         self._global = global_table
         self._view = GlobalView(node, self.config.global_refresh_s) if global_table is not None else None
         self._sync_lock = threading.Lock()
@@ -390,10 +391,7 @@ class CommStore:
         producer's stream for a device tensor: readers wait for the work issued to it so far.
         """
         self._check_open()
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"keys are non-empty strings, got {key!r}")
-        if consumers is not None and (not isinstance(consumers, int) or consumers < 1):
-            raise ValueError(f"PUT {key!r}: consumers must be a positive int or None, got {consumers!r}")
+        check_put_args(key, consumers)
         quota.check_ttl(self.config.quota, key, ttl)
         gpu = self._default_device(device)
         with self._cond:
@@ -429,7 +427,7 @@ class CommStore:
             self.stats.puts += 1
             self._cond.notify_all()
             location = self.table.get(key)
-            watchers = self._watchers.pop(key, [])
+            watchers = self._watchers.take(key)
         for callback in watchers:  # outside the lock: a callback may GET the key at once
             callback()
         return location  # type: ignore[return-value]
@@ -438,22 +436,7 @@ class CommStore:
         """Call `callback()` once after the next PUT of `key` (on the putting thread; at once if the
         key is here now); returns a function that cancels it. The waiting of `get` for callers that
         must not block a thread (the proxy's dispatcher): the same PUT wakes both."""
-        with self._cond:
-            present = key in self._items
-            if not present:
-                self._watchers.setdefault(key, []).append(callback)
-        if present:
-            callback()
-
-        def cancel() -> None:
-            with self._cond:
-                waiting = self._watchers.get(key)
-                if waiting and callback in waiting:
-                    waiting.remove(callback)
-                    if not waiting:
-                        del self._watchers[key]
-
-        return cancel
+        return self._watchers.watch(key, callback, lambda: key in self._items)
 
     def _upload(self, key: str, tensor: torch.Tensor, gpu: int) -> _Item:
         if tensor.device.type != "cpu":
@@ -485,14 +468,7 @@ class CommStore:
                      next(self._seq), None)
 
     def _adopt(self, key: str, value: DeviceTensorLike, gpu: int, stream: Stream | None) -> _Item:
-        try:
-            address, dtype = int(value.address), value.dtype
-            shape, strides = tuple(int(d) for d in value.shape), tuple(int(s) for s in value.strides)
-        except AttributeError as exc:
-            raise TypeError(
-                f"PUT {key!r}: expected a CPU tensor or a device tensor (address, dtype, shape, strides, "
-                f"nbytes), got {type(value).__name__}"
-            ) from exc
+        address, dtype, shape, strides = tensor_layout(key, value)
         n = span_bytes(shape, strides, dtype.itemsize)
         ready = None
         if stream is not None:

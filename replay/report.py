@@ -34,28 +34,20 @@ from rich.table import Table  # noqa: E402
 from rich.text import Text  # noqa: E402
 
 from .metrics import read_requests, read_samples, write_json  # noqa: E402
+from .paper.numbers import PAPER  # noqa: E402
 
 MIB = float(1 << 20)
 PLOTS = ("memory_over_time", "mean_memory", "throughput", "latency_cdf", "slo_violations")
 
-#: What the paper reports for StreamBox against each baseline (section 9.1); ours is set beside it.
-#: infless (formerly monolithic): one runtime and MPS share per function instance, Func-IPC.
+#: What the paper reports for StreamBox against each baseline (section 9.1; the numbers and their quotes
+#: live in `paper.numbers`, the one place of the paper's numbers); ours is set beside it.
 PAPER_CLAIMS = {
-    "stream-only": {
-        "mean memory": "-71% (Fig. 12)",
-        "throughput": "1.46x (Fig. 13)",
-        "latency": "up to -49% (Fig. 14c)",
-    },
-    "infless": {
-        "mean memory": "-79% to -82% on average, up to -82% (vs INFless/Astraea, Fig. 12)",
-        "throughput": "6.7x vs INFless (Fig. 13)",
-        "latency": "up to -98% (startup 5.8 s -> 5 ms, Fig. 14c)",
-    },
-    "astraea": {
-        "mean memory": "-79% to -82% on average (vs INFless/Astraea, Fig. 12)",
-        "throughput": "5.3x vs Astraea (Fig. 13)",
-        "latency": "up to -98% (vs INFless/Astraea, Fig. 14c)",
-    },
+    base: {
+        claim: f"{PAPER[f'{key}.{base}'].headline()} ({PAPER[f'{key}.{base}'].where})"
+        for claim, key in (("mean memory", "12.mean_memory"), ("throughput", "13.throughput"),
+                           ("latency", "14.latency"))
+    }
+    for base in ("stream-only", "infless", "astraea")
 }
 PAPER_CLAIMS["monolithic"] = PAPER_CLAIMS["infless"]  # the deprecated name of infless
 

@@ -253,6 +253,12 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(handler="streambox.replay.cli:cmd_report")
 
 
+def _paper_arguments(p: argparse.ArgumentParser) -> None:
+    from streambox.replay.paper.cli import add_paper_arguments  # argparse only: no torch
+
+    add_paper_arguments(p)
+
+
 #: Every subcommand: name -> (one-line help, description or None, what adds its arguments).
 COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], None]]] = {
     "devices": ("list devices with memory used/total and streams", None, _devices_arguments),
@@ -280,6 +286,13 @@ COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], N
         "Draw memory over time, mean memory, throughput, latency CDF and SLO violations of replay runs, "
         "and print their comparison table.",
         _report_arguments,
+    ),
+    "paper": (
+        "reproduce an evaluation figure of the paper (12-19): measure, plot, table ours beside the paper's",
+        "Run the measurement a figure of the StreamBox paper (ATC'24, section 9) needs (replays of the "
+        "shipped Azure sample, the benchmarks), write its plots and a table of our numbers beside the "
+        "paper's with the ratio into OUT/figNN/. docs/reproduction.md lists each figure.",
+        _paper_arguments,
     ),
     "models": (MODELS_HELP, None, _models_arguments),
     "burst": (

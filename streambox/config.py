@@ -56,6 +56,9 @@ RECYCLERS = ("kernel", "thread")  # as api_proxy.executor.RECYCLERS (which impor
 INPUTS = ("small", "full")
 COMPLETIONS = ("poll", "sync")
 CHANNELS = ("shm", "zmq")  # as api_proxy.channel.CHANNELS (which imports zmq)
+COMM_STORES = ("managed", "ipc")  # as comm.store_protocol.STORE_KINDS (which imports torch)
+#: The managed store's switches: meaningful only with it.
+STORE_SWITCHES = ("pa", "am")
 #: The IO daemon's switches: meaningful only while the daemon is on.
 IO_SWITCHES = ("rz", "pb", "bt")
 
@@ -176,6 +179,11 @@ class Mechanisms(SettingsModel):
         default_factory=env_factory("bt"),
         description="batched transfer, 6 blocks a call, 2 batches in flight (BT)",
     )
+    comm_store: Literal["managed", "ipc"] | None = Field(
+        default_factory=env_factory("comm_store"),
+        description="how functions pass data: managed (StreamBox's elastic store) | ipc (CUDA-IPC "
+        "style, no managed store); default: the system's",
+    )
     pa: bool | None = Field(
         default_factory=env_factory("pa"),
         description="the store sizes itself to predicted idle memory (PA)",
@@ -191,7 +199,8 @@ class Mechanisms(SettingsModel):
     )
 
     @field_validator(
-        "system", "pool_mode", "recycler", "io_daemon", "rz", "pb", "bt", "pa", "am", mode="before"
+        "system", "pool_mode", "recycler", "io_daemon", "comm_store", "rz", "pb", "bt", "pa", "am",
+        mode="before",
     )
     @classmethod
     def _lower(cls, value: Any) -> Any:
@@ -207,6 +216,17 @@ class Mechanisms(SettingsModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _store_switches_need_the_managed_store(self) -> Mechanisms:
+        given = [name for name in STORE_SWITCHES if getattr(self, name) is not None]
+        if given and self.resolved_comm_store != "managed":
+            raise ValueError(
+                f"{', '.join(given)}: switches of the managed store, which is not used here (system "
+                f"{self.system!r}, comm_store {self.resolved_comm_store!r}); set comm_store managed or "
+                f"drop them"
+            )
+        return self
+
     # -- resolved -----------------------------------------------------------------------------
     @property
     def resolved_pool_mode(self) -> PoolMode:
@@ -215,6 +235,13 @@ class Mechanisms(SettingsModel):
         if self.pool_mode is not None:
             return PoolMode(self.pool_mode)
         return PoolMode.FM_RS if self.system == "streambox" else PoolMode.STATIC
+
+    @property
+    def resolved_comm_store(self) -> str:
+        """`managed` (StreamBox's CommStore) or `ipc` (stream-only's IpcStore)."""
+        if self.comm_store is not None:
+            return self.comm_store
+        return "managed" if self.system == "streambox" else "ipc"
 
     @property
     def io_daemon_on(self) -> bool:
@@ -247,6 +274,7 @@ class Mechanisms(SettingsModel):
         daemon = self.daemon_config()
         on = daemon.mode == "streambox"
         store = self.store_config()
+        managed = self.resolved_comm_store == "managed"
         return {
             "system": self.system,
             "pool_mode": self.resolved_pool_mode.value,
@@ -260,9 +288,10 @@ class Mechanisms(SettingsModel):
             "io_inflight_batches": daemon.inflight_batches if on else None,
             "io_shared_pinned": daemon.pinned_buffer if on else None,
             "io_label": daemon.label,
-            "pa": store.pressure_aware,
-            "am": store.adaptive_movement,
-            "store_label": store.label,
+            "comm_store": self.resolved_comm_store,
+            "pa": store.pressure_aware if managed else None,
+            "am": store.adaptive_movement if managed else None,
+            "store_label": store.label if managed else "CUDA-IPC style (no managed store)",
         }
 
 
@@ -394,6 +423,7 @@ def env_default(name: str) -> Any:
 
 __all__ = [
     "BACKENDS",
+    "COMM_STORES",
     "DEVICE_FIELDS",
     "DEVICE_MODES",
     "ENV_PREFIX",

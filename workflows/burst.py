@@ -213,6 +213,7 @@ class BurstReport:
     warmup: int = 0  # requests sent before `outcomes` and left out of them
     proxy_options: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)  # the proxy's resolved tree (its `stats`)
+    store: dict[str, Any] = field(default_factory=dict)  # its communication store's counters (`stats`)
 
     @property
     def ok(self) -> int:
@@ -269,6 +270,7 @@ class BurstReport:
             "params": self.params,
             "proxy_options": self.proxy_options,
             "settings": self.settings,
+            "store": self.store,
             "ok": self.ok,
             "failed": self.failed,
             "errors": self.errors(),
@@ -433,6 +435,7 @@ class Deployment:
             warmup=warmup,
             proxy_options=self.proxy_options,
             settings=dict(self.invoker.last_stats().get(self.spec.name, {}).get("settings", {})),
+            store=dict(self.invoker.last_stats().get(self.spec.name, {}).get("store", {})),
         )
 
 

@@ -30,11 +30,15 @@ def test_none_means_the_systems_default(system, mode, daemon):
     c = config(system=system, keep_alive_s=5.0)
     assert c.resolved_pool_mode is mode
     assert c.daemon_config() == daemon
-    assert c.store_config() == StoreConfig()  # PA and AM on: both systems' store is StreamBox's
     settings = c.settings()
     assert settings["pool_mode"] == mode.value
     assert settings["io_daemon"] is (system == "streambox")
-    assert (settings["pa"], settings["am"], settings["store_label"]) == (True, True, "PA+AM")
+    if system == "streambox":  # StreamBox's managed store, PA and AM on
+        assert c.store_config() == StoreConfig()
+        assert (settings["comm_store"], settings["pa"], settings["am"]) == ("managed", True, True)
+        assert settings["store_label"] == "PA+AM"
+    else:  # CUDA-IPC style data passing: no managed store, so no PA or AM
+        assert (settings["comm_store"], settings["pa"], settings["am"]) == ("ipc", None, None)
     assert settings["recycler"] == "kernel"
     assert settings["weights_keep_alive_s"] == 5.0  # the instances' keep-alive unless given
     assert settings["device"]["device_mode"] == "functional"  # the library's default

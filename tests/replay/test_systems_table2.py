@@ -80,6 +80,7 @@ def test_streambox_runs_its_own_mechanisms(runs: dict[str, dict[str, Any]]) -> N
     assert settings["pool_mode"] == "fm+rs"  # auto-scaling memory pool
     assert settings["io_daemon"] is True  # PCIe sharing through the IO daemon
     assert settings["pa"] is True and settings["am"] is True  # the elastic communication store
+    assert stats["store"]["kind"] == "managed" and stats["store"]["puts"] > 0  # direct access
     profiles = stats["profiles"]  # Algorithm 1 had a profile for every function that ran
     assert profiles["unprofiled_runs"] == 0 and profiles["profiled_runs"] > 0, profiles
     assert runs["streambox"]["sample"]["unprofiled_runs"] == 0
@@ -90,9 +91,10 @@ def test_stream_only_is_runtime_sharing_alone(runs: dict[str, dict[str, Any]]) -
     settings = stats["settings"]
     assert settings["pool_mode"] == "static"  # a static caching pool
     assert settings["io_daemon"] is False  # FIFO copies, no PCIe sharing
-    # TODO(ipc): stream-only's data path is CUDA-IPC style with no managed store (issue 13 item 4);
-    # the engineer "ipc" is building it in the proxy. Check here that a PUT allocates outside the
-    # pool and a GET opens a handle, once the proxy's stats say which store it runs.
+    # CUDA-IPC style data passing with no managed store: a PUT copies into a device allocation
+    # outside the pool (comm/ipc_store.py); Traffic's crops went through it.
+    store = stats["store"]
+    assert store["kind"] == "ipc" and store["puts"] > 0 and store["device_allocs"] > 0, store
 
 
 @pytest.mark.parametrize("system", ["infless", "astraea"])

@@ -145,3 +145,13 @@ def test_memory_from_the_gateway_metrics_text():
     assert (memory.device_used_bytes, memory.device_total_bytes) == (1000, 5000)
     assert (memory.pool_reserved_bytes, memory.pool_used_bytes) == (300, 200)
     assert memory.instances == {"make": 2}
+
+
+def test_a_stream_only_burst_passes_data_through_the_ipc_store(tiny):
+    """Stream-only's data path is CUDA-IPC style: each fan-out GET opens the PUT's exported handle."""
+    report = burst(tiny, requests=2, concurrency=1, via="engine", system="stream-only")
+    assert report.ok == 2 and report.settings["comm_store"] == "ipc"
+    assert all(o.body["output"] == [{"sum": 15.0}, {"sum": 15.0}] for o in report.outcomes)
+    store = report.store
+    assert store["kind"] == "ipc" and store["puts"] == 2 and store["gets"]["ipc-handle"] == 4
+    assert store["device_allocs"] == 2 and store["modelled_host_s"]["open"] > 0

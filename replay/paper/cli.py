@@ -1,0 +1,75 @@
+"""The `paper` subcommand: arguments (argparse only, no torch) and the handler."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+#: The paper's evaluation figures, in order; those without a builder say why.
+ALL_FIGURES = ("12", "13", "14", "15", "16", "17", "18", "19")
+
+
+def add_paper_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "figures",
+        nargs="+",
+        metavar="FIGURE",
+        help=f"{', '.join(ALL_FIGURES)} or all (several share one replay comparison)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI-sized: Traffic only, three requests per system, the benchmarks' --quick",
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/paper"), help="output folder (default runs/paper)")
+    p.add_argument(
+        "--systems",
+        help="comma-separated systems (default: Table 2's that the replay registry knows, streambox first)",
+    )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="build the tables from the measurements already in --out (same size), measuring only "
+        "what is missing",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(handler=cmd_paper)
+
+
+def _wanted(figures: list[str]) -> list[str]:
+    wanted = []
+    for figure in figures:
+        for item in ALL_FIGURES if figure == "all" else [figure.removeprefix("fig")]:
+            if item not in ALL_FIGURES:
+                raise ValueError(f"figure {figure!r} is not one of {', '.join(ALL_FIGURES)}, all")
+            if item not in wanted:
+                wanted.append(item)
+    return wanted
+
+
+def cmd_paper(args: argparse.Namespace) -> int:
+    """Build each figure asked for; print its table. Exit 3 when a figure asked for by name could not be
+    built (the reason is printed), 0 otherwise."""
+    from .figures import FIGURES, MISSING
+    from .session import FigureUnavailable, Session, paper_systems
+
+    wanted = _wanted(args.figures)
+    systems = (
+        tuple(s.strip() for s in args.systems.split(",") if s.strip()) if args.systems else paper_systems()
+    )
+    session = Session(args.out, args.quick, systems, progress=not args.no_progress, reuse=args.reuse)
+    not_built = []
+    for figure in wanted:
+        try:
+            if figure not in FIGURES:
+                raise FigureUnavailable(MISSING.get(figure, "no builder yet"))
+            result = FIGURES[figure](session)
+        except FigureUnavailable as why:
+            not_built.append(figure)
+            print(f"figure {figure}: NOT BUILT: {why}", file=sys.stderr, flush=True)
+            continue
+        print((result.folder / "table.md").read_text(), flush=True)
+        print(f"figure {figure}: {result.folder}/", flush=True)
+    explicit = [f for f in not_built if "all" not in args.figures]
+    return 3 if explicit else 0

@@ -1,0 +1,189 @@
+"""What the figures of one `streambox paper` call share: the output folder, the size of the run, and the
+measurements already taken (the replay comparison and each benchmark run once per call, whichever
+figures ask for them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..target import PLANNED_SYSTEMS, known_systems
+
+#: The paper's workflows (Fig. 11), all bundled.
+WORKFLOWS = ("traffic", "image-processing", "social-media")
+
+
+def paper_systems() -> tuple[str, ...]:
+    """The systems of Table 2 that the replay registry knows, StreamBox first (astraea joins when
+    registered; `monolithic`, infless's old name, is left out)."""
+    known = known_systems()
+    return tuple(s for s in PLANNED_SYSTEMS if s in known and s != "monolithic")
+
+
+@dataclass(frozen=True)
+class ReplaySize:
+    """How much of the shipped Azure sample is replayed, and on what."""
+
+    workflows: tuple[str, ...]
+    minutes: int
+    scale: float
+    functions: int
+    minute_seconds: float = 1.0
+    max_requests: int | None = None
+    inputs: str = "small"
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "workflow": ",".join(self.workflows),
+            "minutes": self.minutes,
+            "scale": self.scale,
+            "functions": self.functions,
+            "minute_seconds": self.minute_seconds,
+            "max_requests": self.max_requests,
+            "select": "stratified",  # bursty, periodic and sporadic functions alike (replay/shaping.py)
+            "slo_ms": 200.0,  # the paper's SLO
+            "system_options": {"inputs": self.inputs},
+        }
+
+
+#: The paper-sized run that fits minutes on 2 cores: the three workflows, every arrival pattern.
+FULL = ReplaySize(WORKFLOWS, minutes=30, scale=0.5, functions=6)
+#: CI-sized: one workflow, a handful of requests.
+QUICK = ReplaySize(("traffic",), minutes=10, scale=0.5, functions=3, max_requests=3)
+
+#: The benchmarks' arguments beyond --quick --json under `paper --quick` (CI-sized: seconds, not a minute).
+SMOKE_ARGS: dict[str, tuple[str, ...]] = {
+    "bench_memory_pool": ("--functions", "3", "--duration", "6", "--ab-reps", "1"),
+    "bench_comm": ("--repeats", "3", "--rounds", "1"),
+    "bench_io_daemon": ("--repeats", "1"),
+    "bench_compile": ("--models", "resnet18", "--batches", "1", "--no-nvcc"),
+}
+
+
+class FigureUnavailable(RuntimeError):
+    """A figure that cannot be built here (the message says what is missing)."""
+
+
+def benchmarks_dir() -> Path | None:
+    """The repository's benchmarks/ folder (beside the package's sources), None in an installed copy."""
+    here = Path(__file__).resolve().parents[2] / "benchmarks"
+    return here if (here / "_common.py").exists() else None
+
+
+@dataclass
+class Session:
+    out: Path
+    quick: bool
+    systems: tuple[str, ...]
+    progress: bool = True
+    reuse: bool = False  # take the measurements already in `out` when they are of the same size
+    load_at_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
+    _comparison: dict[str, Path] | None = field(default=None, init=False)
+    _benchmarks: dict[str, Path] = field(default_factory=dict, init=False)
+
+    @property
+    def size(self) -> ReplaySize:
+        return QUICK if self.quick else FULL
+
+    def comparison(self) -> dict[str, Path]:
+        """system -> run directory of the one replay comparison (out/replay/<system>), run on first use;
+        the report's plots go to out/replay/report."""
+        if self._comparison is None and self.reuse:
+            self._comparison = self._reused_comparison()
+        if self._comparison is None:
+            from ..run import run_comparison
+
+            results, _ = run_comparison(
+                self.systems,
+                out=self.out / "replay",
+                overwrite=True,
+                progress=self.progress,
+                **self.size.options(),
+            )
+            self._comparison = {r.config.system: r.run_dir for r in results}
+        return self._comparison
+
+    def _reused_comparison(self) -> dict[str, Path] | None:
+        """The comparison already in out/replay when every system has a finished run of this size."""
+        wanted = self.size.options()
+        runs = {}
+        for system in self.systems:
+            config_file = self.out / "replay" / system / "config.json"
+            if not (config_file.parent / "summary.json").exists():
+                return None
+            config = json.loads(config_file.read_text())["config"]
+            same = ",".join(config["workflows"]) == wanted["workflow"] and all(
+                config[k] == wanted[k] for k in ("minutes", "scale", "functions", "max_requests", "select")
+            )
+            if not same:
+                print(f"not reusing {config_file.parent}: another replay size", flush=True)
+                return None
+            runs[system] = config_file.parent
+        print(f"reusing the replay comparison in {self.out / 'replay'}", flush=True)
+        return runs
+
+    def machine_note(self) -> str:
+        """The host's load, which the replays' latencies follow on a shared machine."""
+        if self.reuse:
+            return (
+                "rebuilt from measurements already in the output folder (--reuse): the host load when "
+                "they were taken is not recorded here"
+            )
+        now = os.getloadavg()
+        return (
+            f"host: {os.cpu_count()} cores, load average (1 min) {self.load_at_start[0]:.1f} at the start, "
+            f"{now[0]:.1f} when this table was written"
+        )
+
+    def relative(self, path: Path) -> str:
+        return str(path.relative_to(self.out))
+
+    def benchmark(self, name: str) -> Path:
+        """Run benchmarks/<name>.py --quick --json once (their full sizes take most of an hour; under
+        `paper --quick` also SMOKE_ARGS); its JSON lands in out/bench/<name>.json and its printed tables
+        in out/bench/<name>.txt."""
+        if name in self._benchmarks:
+            return self._benchmarks[name]
+        folder = benchmarks_dir()
+        if folder is None:
+            raise FigureUnavailable(f"{name} needs the repository's benchmarks/ folder (a source checkout)")
+        target = self.out / "bench" / f"{name}.json"
+        args = ["--quick", *(SMOKE_ARGS.get(name, ()) if self.quick else ())]
+        given = target.with_suffix(".args.json")  # the arguments it ran with, for --reuse
+        if self.reuse and target.exists() and given.exists() and json.loads(given.read_text()) == args:
+            print(f"reusing {target}", flush=True)
+            self._benchmarks[name] = target
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        command = [sys.executable, str(folder / f"{name}.py"), *args, "--json", str(target)]
+        print(f"running {' '.join(command[1:])}", flush=True)
+        done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
+        (target.with_suffix(".txt")).write_text(done.stdout + done.stderr)
+        if done.returncode != 0 or not target.exists():
+            tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
+            raise FigureUnavailable(f"{name} failed (exit {done.returncode}): " + " | ".join(tail))
+        given.write_text(json.dumps(args))
+        self._benchmarks[name] = target
+        return target
+
+    def bench_results(self, name: str) -> dict[str, Any]:
+        return json.loads(self.benchmark(name).read_text())["results"]
+
+    def copy_plots(self, names: Sequence[str], into: Path) -> list[Path]:
+        """The replay report's plots `names` copied into a figure's folder."""
+        into.mkdir(parents=True, exist_ok=True)
+        report = self.out / "replay" / "report"
+        copied = []
+        for name in names:
+            source = report / f"{name}.png"
+            if source.exists():
+                copied.append(Path(shutil.copy(source, into / source.name)))
+        return copied

@@ -1,0 +1,131 @@
+"""`streambox paper`: every figure's table is what this run measured, beside the paper's numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from streambox.cli import main
+from streambox.replay.paper.cli import ALL_FIGURES
+from streambox.replay.paper.figures import FIGURES, MISSING
+from streambox.replay.paper.numbers import PAPER
+from streambox.replay.paper.table import Row, Source, check_rows, row_from, write_table
+
+
+def test_every_paper_number_is_quoted_with_its_place() -> None:
+    for key, number in PAPER.items():
+        assert key.split(".")[0] in ALL_FIGURES, key
+        assert number.quote and "Fig." in number.where and "sec. 9" in number.where, key
+        assert number.factor > 0, key
+
+
+def test_every_figure_has_a_builder_or_says_why_not() -> None:
+    assert set(FIGURES) | set(MISSING) == set(ALL_FIGURES)
+    assert not set(FIGURES) & set(MISSING)
+
+
+def test_a_table_number_that_is_not_in_its_source_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"a": {"b": 3.0}, "c": 12.0}))
+    (tmp_path / "run" / "requests.csv").write_text("status,pattern\nok,bursty\nok,sporadic\nerror,bursty\n")
+    rows = [
+        row_from(
+            tmp_path,
+            "a over c",
+            "x",
+            [Source("run/summary.json", "a.b"), Source("run/summary.json", "c")],
+            "ratio",
+            paper_key="13.throughput.stream-only",
+        ),
+        row_from(
+            tmp_path, "ok bursty", "requests", [Source("run/requests.csv", "count:status=ok,pattern=bursty")]
+        ),
+    ]
+    assert rows[0].ours == 0.25 and rows[1].ours == 1.0
+    assert rows[0].ratio == pytest.approx(0.25 / 1.46)
+    write_table(tmp_path / "fig", "13", "t", rows)
+    written = json.loads((tmp_path / "fig" / "table.json").read_text())["rows"]
+    assert check_rows(tmp_path, written) == []
+    written[0]["ours"] = 0.3  # a number typed in rather than measured
+    assert check_rows(tmp_path, written) == ["a over c: table says 0.3, sources say 0.25"]
+    with pytest.raises(KeyError, match="no paper number"):
+        Row("m", 1.0, "x", [], paper_key="13.no-such")
+
+
+def test_an_unknown_figure_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["paper", "11"]) == 2
+    assert "figure '11' is not one of 12" in capsys.readouterr().err
+
+
+def _check_figures(out: Path, figures: list[str]) -> None:
+    for figure in figures:
+        folder = out / f"fig{figure}"
+        table = json.loads((folder / "table.json").read_text())
+        assert table["figure"] == figure and table["rows"], figure
+        assert (folder / "table.md").read_text().startswith(f"# Figure {figure}")
+        assert list(folder.glob("*.png")), f"figure {figure} wrote no plot"
+        # every number was read from a file this run wrote under `out` (a fresh folder)
+        assert check_rows(out, table["rows"]) == [], figure
+        compared = [r for r in table["rows"] if r["paper"] is not None]
+        assert compared, f"figure {figure} sets no number beside the paper's"
+        for row in compared:
+            if row["ours"] is not None:
+                assert row["ratio_ours_over_paper"] == pytest.approx(row["ours"] / row["paper"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # three replays and a benchmark; minutes on a loaded 2-core machine
+def test_the_replay_figures_quick_share_one_comparison(tmp_path: Path) -> None:
+    out = tmp_path / "paper"
+    figures = ["12", "13", "14", "15"]
+    assert (
+        main(
+            [
+                "paper",
+                *figures,
+                "--quick",
+                "--no-progress",
+                "--out",
+                str(out),
+                "--systems",
+                "streambox,stream-only",
+            ]
+        )
+        == 0
+    )
+    assert sorted(p.name for p in (out / "replay").iterdir()) == ["report", "stream-only", "streambox"]
+    _check_figures(out, figures)
+    # --reuse rebuilds the tables from the same measurements: no replay or benchmark runs again
+    measured = {
+        p: p.stat().st_mtime_ns for p in [*out.glob("replay/*/summary.json"), *out.glob("bench/*.json")]
+    }
+    (out / "fig13" / "table.json").unlink()
+    assert (
+        main(
+            ["paper", *figures, "--quick", "--reuse", "--out", str(out), "--systems", "streambox,stream-only"]
+        )
+        == 0
+    )
+    assert {p: p.stat().st_mtime_ns for p in measured} == measured
+    _check_figures(out, figures)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("figure", [f for f in FIGURES if f not in {"12", "13", "14", "15"}])
+def test_a_benchmark_figure_quick_writes_its_plots_and_a_measured_table(tmp_path: Path, figure: str) -> None:
+    out = tmp_path / "paper"
+    assert main(["paper", figure, "--quick", "--out", str(out)]) == 0
+    assert not (out / "replay").exists()  # a benchmark figure runs no replay
+    _check_figures(out, [figure])
+
+
+def test_a_figure_that_cannot_be_built_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not MISSING:
+        pytest.skip("every figure has a builder")
+    assert main(["paper", *MISSING, "--out", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    for figure, why in MISSING.items():
+        assert f"figure {figure}: NOT BUILT: {why}" in err
