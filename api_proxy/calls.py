@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from typing import Any
 
 from streambox.comm.store_protocol import Store
 from streambox.device import Event
+from streambox.phases import COMM, DEVICE_WAIT, OTHER
 
 from .errors import ProxyError, encode_error
 from .state import Instance, Invocation
@@ -41,10 +43,20 @@ class Process:
     inv: Invocation
     call_id: int
     gen: Generator[Wait, Any, Any]
+    phase: str = OTHER  # what its op's own time counts as (`phases.op_phase`)
+    parked: tuple[str, float] | None = None  # the phase of what it waits for, since when
 
     @property
     def alive(self) -> bool:
         return self.inst.state != "dead" and self.inst.invocation is self.inv
+
+
+def _wait_phase(proc: Process, wait: Wait) -> str:
+    """An offload counts as what it says (else as its op), device completion as compute, a GET's wait
+    for its key's PUT as communication."""
+    if isinstance(wait, Offload):
+        return wait.phase or proc.phase
+    return DEVICE_WAIT if isinstance(wait, Completion) else COMM
 
 
 @dataclass(order=True)
@@ -85,24 +97,31 @@ class Calls:
             self._sync_pool.shutdown(wait=True, cancel_futures=True)
 
     # -- starting and resuming ---------------------------------------------------------------
-    def run(self, inst: Instance, inv: Invocation, call_id: int, result: Any) -> None:
-        """Answer a call whose op returned `result`: a value replies at once, a generator runs."""
+    def run(self, inst: Instance, inv: Invocation, call_id: int, result: Any, phase: str = OTHER) -> None:
+        """Answer a call whose op returned `result`: a value replies at once, a generator runs (its
+        steps and waits timed into the invocation's phases)."""
         if isinstance(result, GeneratorType):
-            self._step(Process(inst, inv, call_id, result))
+            self._step(Process(inst, inv, call_id, result, phase))
         else:
             self._reply(inst, call_id, True, result)
 
     def _step(self, proc: Process, value: Any = None, error: BaseException | None = None) -> None:
+        started = time.perf_counter()
         try:
             wait = proc.gen.send(value) if error is None else proc.gen.throw(error)
         except StopIteration as stop:
+            proc.inv.phases.add(proc.phase, started, time.perf_counter())
             self._reply(proc.inst, proc.call_id, True, stop.value)
         except Exception as exc:  # noqa: BLE001 - a failed call fails only that call
+            proc.inv.phases.add(proc.phase, started, time.perf_counter())
             self._reply(proc.inst, proc.call_id, False, encode_error(exc))
         else:
-            self._park(proc, wait)
+            now = time.perf_counter()
+            proc.inv.phases.add(proc.phase, started, now)
+            self._park(proc, wait, now)
 
-    def _park(self, proc: Process, wait: Wait) -> None:
+    def _park(self, proc: Process, wait: Wait, now: float) -> None:
+        proc.parked = (_wait_phase(proc, wait), now)
         if isinstance(wait, Offload):
             proc.inst.held = deque()
             wait.future.add_done_callback(lambda _: self.post(lambda: self._offloaded(proc, wait)))
@@ -117,6 +136,9 @@ class Calls:
             self._reply(proc.inst, proc.call_id, False, encode_error(ProxyError(f"an op yielded {wait!r}")))
 
     def _resume(self, proc: Process, value: Any, error: BaseException | None) -> None:
+        if proc.parked is not None:
+            (phase, since), proc.parked = proc.parked, None
+            proc.inv.phases.add(phase, since, time.perf_counter())
         if proc.alive:
             self._step(proc, value, error)
         else:

@@ -4,7 +4,8 @@
   idle instance (so that surplus instances stay idle and expire: scale down, and to zero), else
   starts a new one while fewer than `max_instances` exist, else queues. Idle instances expire after
   `keep_alive_s` (default 10 minutes, the paper's section 8).
-- `WarmProxies`: the warm proxies (GPU runtimes) of a machine. At most `max_per_device` per GPU
+- `WarmProxies`: the warm proxies (GPU runtimes) of a machine, placed on the GPU with the least
+  memory in use (ties: fewer proxies, then lowest index). At most `max_per_device` per GPU
   (3, section 8); admitting one more on a full GPU evicts that GPU's longest-idle proxy; a proxy
   with requests in flight is never evicted (the caller waits instead). Idle proxies expire after
   `keep_alive_s`.
@@ -15,7 +16,7 @@ for instances, `ProxyInvoker` for proxies) carry them out.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -147,17 +148,26 @@ class WarmProxies:
     def device_of(self, key: Hashable) -> int:
         return self._proxies[key].device
 
-    def admit(self, key: Hashable, now: float) -> Admission:
+    def admit(self, key: Hashable, now: float, loads: Sequence[int] | None = None) -> Admission:
         """Where `key`'s proxy runs, and what must go first. A warm proxy is admitted as is.
 
-        A new proxy goes to the device with the fewest warm proxies (lowest index on ties); on a full
-        device the longest-idle proxy without requests in flight is evicted; if every one is busy, wait.
+        Placement: a new proxy goes to the device with the least memory in use (`loads`, bytes per
+        device: every process's, as the node reports it), ties to the fewer warm proxies, then the
+        lowest index, among devices with room for one more proxy; without `loads`, to the device
+        with the fewest warm proxies (lowest index on ties). When every device is full, the device
+        with the fewest warm proxies evicts its longest-idle proxy without requests in flight; if
+        every one is busy, wait.
         """
         if key in self._proxies:
             return Admission(self._proxies[key].device)
         counts = [0] * self.devices
         for p in self._proxies.values():
             counts[p.device] += 1
+        if loads is not None and len(loads) != self.devices:
+            raise ValueError(f"loads for {len(loads)} devices, but the node has {self.devices}")
+        room = [d for d in range(self.devices) if counts[d] < self.max_per_device]
+        if loads is not None and room:
+            return Admission(min(room, key=lambda d: (loads[d], counts[d], d)))
         device = min(range(self.devices), key=lambda d: (counts[d], d))
         if counts[device] < self.max_per_device:
             return Admission(device)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from streambox.device import Stream
+from streambox.phases import COLD_START, COMPUTE, DEVICE_WAIT, OTHER, QUEUE
 
 from . import protocol, wire
 from .errors import (
@@ -160,6 +161,7 @@ class Lifecycle:
         now = _now()
         if ok:
             dispatched = inv.dispatched or now
+            finish_s = now - (inv.result_at or now)
             value = {
                 "output": value,
                 "cold_start": inv.cold,
@@ -167,11 +169,21 @@ class Lifecycle:
                 "start_s": inv.start_s,
                 "queue_s": dispatched - inv.arrived - inv.start_s,
                 "run_s": (inv.result_at or now) - dispatched,  # INVOKE sent -> result back
-                "finish_s": now - (inv.result_at or now),  # the request's device work completing
+                "finish_s": finish_s,  # the request's device work completing
                 "instance": inv.instance,
+                "phases": self._phases(inv, dispatched, finish_s),
+                "device_wait_s": inv.phases.seconds.get(DEVICE_WAIT, 0.0) + finish_s,  # within compute
             }
         route, call_id = inv.reply_to
         self.server.control_reply(route, call_id, ok, value)
+
+    @staticmethod
+    def _phases(inv: Invocation, dispatched: float, finish_s: float) -> dict[str, float]:
+        """Seconds by phase measured here (`phases.py`); the rest of the call is the caller's `other`."""
+        measured = dict(inv.phases.seconds)
+        measured[COMPUTE] = measured.get(COMPUTE, 0.0) + measured.pop(DEVICE_WAIT, 0.0) + finish_s
+        measured.pop(OTHER, None)  # bookkeeping ops: counted with the handler's own time
+        return {COLD_START: inv.start_s, QUEUE: dispatched - inv.arrived - inv.start_s, **measured}
 
     def _instance_free(self, inst: Instance) -> None:
         """The instance finished a request: take the next queued one, or go idle."""

@@ -21,6 +21,7 @@ from streambox.comm.store_protocol import adopted
 from streambox.kernel_compiler.ops import invoke_kernel
 from streambox.kernel_compiler.plan import KernelPlan
 
+from .batched_infer import infer_batched, joinable, limits_of
 from .device_tensor import DeviceTensor
 from .errors import KeyNotFound, ProxyError
 from .executor import ELEMENTS_PER_BLOCK, RunResult
@@ -84,12 +85,23 @@ def op_infer(res: Resources, call: CallContext, model: str, inputs: list[Any]) -
         yield from res.uploads_issued(call.inst)
         with (yield from res.weights(plan)):  # the weights may have gone while the uploads waited
             tensors = _checked_inputs(model, plan, given)
-            if res.issuer is None:  # issued here, on the dispatcher
-                cu_cap = res.cu_cap(call.inst.spec)  # the function's GPU share (PTB semantics)
-                result = res.memory.infer(call.inst.key, plan, tensors, call.inst.stream, cu_cap=cu_cap)
-            else:
-                result = yield from _issue_off_dispatcher(res, call, model, plan, tensors)
+            limits = limits_of(call.inst.spec)
+            if limits is not None and joinable(limits, given):  # gathered with other invocations' infers
+                handles = yield from infer_batched(res, call, model, given, limits, _run_plan)
+                if handles is not None:
+                    return handles
+            result = yield from _run_plan(res, call, model, plan, tensors)
             return _output_handles(res, call, model, plan, result)
+
+
+def _run_plan(
+    res: Resources, call: CallContext, model: str, plan: KernelPlan, tensors: dict[str, DeviceTensor]
+) -> Generator[Wait, Any, RunResult]:
+    """The plan run on the caller's stream: issued here, on the dispatcher, or by an issuer thread."""
+    if res.issuer is None:
+        cu_cap = res.cu_cap(call.inst.spec)  # the function's GPU share (PTB semantics)
+        return res.memory.infer(call.inst.key, plan, tensors, call.inst.stream, cu_cap=cu_cap)
+    return (yield from _issue_off_dispatcher(res, call, model, plan, tensors))
 
 
 def _issue_off_dispatcher(

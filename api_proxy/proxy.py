@@ -28,6 +28,7 @@ then frees what the request held and the instance's stream, and goes on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -44,20 +45,24 @@ import msgpack
 import zmq
 
 from streambox.comm import CommStore
+from streambox.comm.config import StoreConfig
 from streambox.comm.ipc_store import IpcStore
 from streambox.comm.store_protocol import Store
 from streambox.config import Config
 from streambox.io_daemon import IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.memory_pool.idle import PoolIdleMemory
+from streambox.phases import op_phase
 
 from . import protocol
+from .batched_infer import batch_sizes
 from .calls import Calls
 from .channel import make_server
 from .control import ControlGuard, ControlRefused
 from .errors import FunctionCrashed, ProxyError, encode_error
 from .issuer import Issuer
 from .lifecycle import Lifecycle
+from .node_gpus import Neighbours, neighbour_indices, start_opening
 from .ops import OPS, CallContext
 from .profiling import device_profile
 from .proxy_config import ProxyConfig
@@ -138,6 +143,8 @@ class ProxyServer:
         for spec in cfg.functions:
             for model in spec.models:  # deploying: every model's weights and offline profile at hand
                 self.memory.ensure_profile(self.resources.load(model, spec.batch))
+                for size in batch_sizes(spec):  # the plans its batched infers reach
+                    self.memory.ensure_profile(self.resources.load(model, size))
         self.resources.service.synchronize()
         self.timings["models_s"] = _now() - t
         self._open_control()
@@ -155,6 +162,11 @@ class ProxyServer:
         cfg = self.config
         device = cfg.device_config()
         self.backend = device.open_backend()
+        store_config = cfg.store_config()  # PA and AM as switched, the `store` group's knobs
+        # AM's neighbour GPUs (node_gpus.py): their contexts open beside the home one.
+        neighbours = start_opening(
+            self.backend, neighbour_indices(cfg.device, device.gpus, store_config.adaptive_movement)
+        )
         t = _now()
         self.runtime = self.backend.open_runtime(cfg.device)
         self.timings["runtime_s"] = _now() - t
@@ -168,15 +180,20 @@ class ProxyServer:
         self.memory = ProxyMemory(
             self.runtime, cfg.memory_options(), profile_for=profile_for, daemon=self.io
         ).start()
-        self.store = self._open_store(cfg)
+        self.store = self._open_store(cfg, store_config, neighbours)
         return device
 
-    def _open_store(self, cfg: ProxyConfig) -> Store:
+    def _open_store(
+        self, cfg: ProxyConfig, store_config: StoreConfig, neighbours: concurrent.futures.Future[Neighbours]
+    ) -> Store:
         """The communication store the `comm_store` setting names: StreamBox's managed store, or
         stream-only's CUDA-IPC style one (fresh allocations outside the pool, no pressure awareness)."""
+        t = _now()
+        self.neighbours = neighbours.result()  # none unless AM is on (the managed store only)
+        self.timings["neighbours_wait_s"] = _now() - t  # start-up time the neighbours' contexts added
         if cfg.resolved_comm_store == "ipc":
-            return IpcStore({cfg.device: self.runtime}, node=f"proxy-{cfg.workflow}",
-                            config=cfg.store_config(), clock=_now).start()
+            return IpcStore({cfg.device: self.runtime, **self.neighbours.runtimes},
+                            node=f"proxy-{cfg.workflow}", config=store_config, clock=_now).start()
         # The store's capacity: a fraction of the idle memory the pool's demand model predicts over
         # the window. It allocates from the pool (it fences and retires its own streams' frees).
         store_idle = PoolIdleMemory(self.memory.pool, self.memory.board, self.memory.scaler)
@@ -184,11 +201,12 @@ class ProxyServer:
         # weights, but never ask the store itself to reclaim (no call re-enters the store).
         store_allocator = ReclaimingAllocator(self.memory.pool, [self.memory.models.evict_idle])
         store = CommStore(
-            {cfg.device: self.runtime},
-            {cfg.device: store_allocator},
+            {cfg.device: self.runtime, **self.neighbours.runtimes},
+            {cfg.device: store_allocator, **self.neighbours.allocators},
             node=f"proxy-{cfg.workflow}",
-            idle={cfg.device: store_idle},
-            config=cfg.store_config(),  # PA and AM as switched, the `store` group's knobs
+            # A neighbour's idle memory: observed free (None), its demand model is in other proxies.
+            idle={cfg.device: store_idle, **dict.fromkeys(self.neighbours.runtimes)},
+            config=store_config,
             clock=_now,  # the position board's clock, which the prediction compares `now` with
         )
         store_idle.store_bytes = lambda: store.usage()[cfg.device]
@@ -217,6 +235,7 @@ class ProxyServer:
         self.resources.close()
         self.io.close()
         self.store.close()
+        self.neighbours.close()
         self.memory.pool.fence(self.resources.service)
         self.memory.close()
         self.runtime.close()
@@ -298,16 +317,19 @@ class ProxyServer:
             self._reply(inst, call.call_id, False, encode_error(error))
             return
         context = CallContext(inst, inv, self.config.device, self._request_ended)
-        op = OPS[call.op]
+        op, phase = OPS[call.op], op_phase(call.op)
+        started = time.perf_counter()
         try:
             if inst.gates:  # the instance's uploads first: issued by the daemon, then waited on
                 result = self._after_uploads(op, context, call.args)
             else:
                 result = op(self.resources, context, *call.args)
         except Exception as exc:  # noqa: BLE001 - a failed call fails only that call
+            inv.phases.add(phase, started, time.perf_counter())
             self._reply(inst, call.call_id, False, encode_error(exc))
             return
-        self.calls.run(inst, inv, call.call_id, result)
+        inv.phases.add(phase, started, time.perf_counter())  # a plain op's work (a generator's: none yet)
+        self.calls.run(inst, inv, call.call_id, result, phase)
 
     def _after_uploads(self, op: Any, context: CallContext, args: list[Any]) -> Any:
         yield from self.resources.uploads_issued(context.inst)
@@ -385,13 +407,14 @@ class ProxyServer:
             if os.getppid() != self._parent:  # the launcher died: shut down (instances with us)
                 self._stop = True
         n += self.lifecycle.timers(now)
+        n += self.resources.batching.close_due(now)  # batches whose queue delay is over run now
         return n + self.calls.expire_keys(now)
 
     def _next_due(self) -> float:
         due = [_now() + MAX_SLEEP_S, *self.lifecycle.deadlines()]
-        at = self.calls.next_key_deadline()
-        if at is not None:
-            due.append(at)
+        for at in (self.calls.next_key_deadline(), self.resources.batching.next_deadline()):
+            if at is not None:
+                due.append(at)
         return min(due)
 
 
@@ -400,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     SIGTERM, or when the process that started it dies."""
     args = sys.argv[1:] if argv is None else argv
     config = ProxyConfig.from_json(args[0])
+    if config.switch_interval_us is not None:
+        sys.setswitchinterval(config.switch_interval_us * 1e-6)
     # Not PR_SET_PDEATHSIG: it fires when the launching *thread* ends (launchers use thread pools).
     # The dispatcher's timers watch the parent process instead and shut down when it is gone.
     server = ProxyServer(config)

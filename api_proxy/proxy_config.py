@@ -67,7 +67,8 @@ __all__ = [
 
 class FunctionSpec(SettingsModel):
     """One function of a workflow: its handler (`module:function`) and the models it may run;
-    `gpu_percent` (None: the whole GPU) caps the compute units its kernels use (`api_proxy.partition`)."""
+    `gpu_percent` (None: the whole GPU) caps the compute units its kernels use (`api_proxy.partition`);
+    `max_batch_size` > 1 with `max_queue_delay_s` > 0 batches its invocations' infers."""
 
     name: str
     handler: str
@@ -76,6 +77,10 @@ class FunctionSpec(SettingsModel):
     max_instances: int = Field(4, ge=1)
     timeout_s: float = Field(30.0, gt=0)
     gpu_percent: int | None = Field(None, ge=1, le=100)
+    # Batching (api_proxy/batched_infer.py): samples one batched inference holds, and how long an
+    # infer waits for other invocations' infers to join it (1 or 0: every infer runs alone).
+    max_batch_size: int = Field(1, ge=1)
+    max_queue_delay_s: float = Field(0.0, ge=0)
 
     def __init__(self, *args: Any, **values: Any) -> None:
         """Positional as the former dataclass: `FunctionSpec("name", "module:function", ...)`."""
@@ -106,10 +111,18 @@ class ProxyConfig(Mechanisms, Tuning):
     # dispatcher to have nothing else to do (api_proxy/issuer.py); 0: issued on the dispatcher.
     issue_threads: int = Field(2, ge=0)
     issue_slice: int = Field(8, ge=1)
+    # The proxy process's GIL switch interval (`sys.setswitchinterval`); None: Python's 5 ms. A thread
+    # that gave the GIL up in a system call (a stream worker taking the device ledger's lock) waits
+    # up to this long for it while another thread computes.
+    switch_interval_us: float | None = Field(None, gt=0)
     model_shapes: Literal["small", "full"] = Field(
         default_factory=env_factory("inputs", "model_shapes", default="small")
     )
     preload: tuple[str, ...] = ("torch",)  # modules the template imports before any handler
+    # torch's intra-op threads in function instances (0: torch's default, one per core). Instances
+    # share the host's cores with each other and with the proxy's issuing threads; their handlers'
+    # CPU work is small (decoding, resizing, NMS), so more threads only oversubscribe the cores.
+    instance_threads: int = Field(1, ge=0)
     sys_path: tuple[str, ...] = ()  # prepended in the template (where the handler modules live)
     huge_pages: bool = True  # back the template's heap with huge pages (cheaper forks)
     prefork: int = Field(2, ge=0)  # spare instances the template keeps forked ahead (0: on demand)

@@ -26,7 +26,9 @@ from streambox.device import Event, Runtime, Stream
 from streambox.io_daemon import CopyRequest, IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.plan import KernelPlan
+from streambox.phases import COMM, MODEL_LOAD
 
+from .batched_infer import Batching
 from .buffers import BufferTable
 from .device_tensor import DeviceTensor
 from .errors import IsolationError, UnknownHandle, UnknownModel
@@ -82,6 +84,7 @@ class Resources:
         self._post = post  # runs a function on the dispatcher (from any thread)
         self.issuer = issuer  # issues plans off the dispatcher (None: on it)
         self.buffers = BufferTable()
+        self.batching = Batching()  # infers of concurrent invocations gathered into batches
         self.service = runtime.create_stream()  # frees of buffers that outlive their holders
         self.plans: dict[PlanKey, KernelPlan] = {}
         self.lowerings: dict[PlanKey, Future[KernelPlan]] = {}
@@ -145,7 +148,8 @@ class Resources:
             self.lowerings[key] = future
             future.add_done_callback(lambda f: self._post(lambda: self._lowered(key, f)))
         shape_text = "x".join(map(str, shape))
-        plan = yield Offload(future, f"lowering {model} for batch {batch}, input shape {shape_text}")
+        what = f"lowering {model} for batch {batch}, input shape {shape_text}"
+        plan = yield Offload(future, what, MODEL_LOAD)
         return self.plans.setdefault(key, plan)
 
     def _lowered(self, key: PlanKey, future: Future[KernelPlan]) -> None:
@@ -162,7 +166,7 @@ class Resources:
             return _Held(None)
         future = self._wait_pool.submit(models.hold_issued, plan, lambda: self.closing)
         try:
-            yield Offload(future, f"loading the weights of {plan.model}")
+            yield Offload(future, f"loading the weights of {plan.model}", MODEL_LOAD)
         except GeneratorExit:  # the call was dropped (its instance died) after the hold was taken
             if future.done() and future.exception() is None:
                 models.release(plan.model)
@@ -187,7 +191,7 @@ class Resources:
         """Wait until the daemon has issued the instance's uploads, then make the stream wait for them."""
         pending = [t for t in inst.gates if not t.issued and t.error is None]
         if pending:
-            yield Offload(self._wait_pool.submit(self._wait_issued, pending), "uploading the inputs")
+            yield Offload(self._wait_pool.submit(self._wait_issued, pending), "uploading the inputs", COMM)
         gates, inst.gates = inst.gates, []
         for ticket in gates:
             ticket.wait_all(inst.stream)

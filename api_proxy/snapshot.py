@@ -39,12 +39,10 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
             "allocated_bytes": pool.allocated_bytes,
             "trims": pool.counters.trims,  # times the pool gave memory back to the device
         },
+        "batching": res.batching.counters(),  # infers run as batches (api_proxy/batched_infer.py)
         "keys": len(server.store.keys()),
-        "store": {  # the data path: which store, what it holds (HOST: -1) and what it did
-            "kind": server.config.resolved_comm_store,
-            "stored_bytes": {str(gpu): n for gpu, n in server.store.usage().items()},
-            **asdict(server.store.stats),
-        },
+        # The data path: which store, the GPUs it sees, bytes per location (`gpu<i>`, `host`), counters.
+        "store": {"kind": server.config.resolved_comm_store, **server.store.snapshot()},
         "buffers": len(res.buffers),
         # Streams of dropped instances not destroyed yet, and streams the pool holds frees for.
         "retiring_streams": server.lifecycle.retiring,

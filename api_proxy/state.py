@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streambox.device import Stream
+from streambox.phases import PhaseClock
 
 from .proxy_config import FunctionSpec
 
@@ -27,6 +28,7 @@ class Invocation:
     start_s: float = 0.0  # instance start (fork + stream + registration), cold starts only
     result_at: float | None = None  # when the handler's result arrived
     leases: list[Any] = field(default_factory=list)  # the store's handles this request got
+    phases: PhaseClock = field(default_factory=PhaseClock)  # its calls' time by phase (`phases.py`)
 
     @property
     def holder(self) -> tuple[str, int]:

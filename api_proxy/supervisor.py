@@ -82,6 +82,7 @@ class Supervisor:
                 "functions": {f.name: f.handler for f in cfg.functions},
                 "sys_path": list(cfg.sys_path),
                 "preload": list(cfg.preload),
+                "instance_threads": cfg.instance_threads,
                 "huge_pages": cfg.huge_pages,
                 "prefork": cfg.prefork,
             },

@@ -199,6 +199,9 @@ def _import_handlers(config: dict[str, Any]) -> dict[str, Any]:
             sys.path.insert(0, path)
     for module in config.get("preload", []):
         importlib.import_module(module)
+    threads = int(config.get("instance_threads") or 0)
+    if threads and "torch" in sys.modules:  # set once here: every instance forked from it has it
+        sys.modules["torch"].set_num_threads(threads)
     import streambox.sdk  # noqa: F401 - the SDK the handlers use
 
     from . import channel, client  # noqa: F401 - imported once here, not in each instance

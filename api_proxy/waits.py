@@ -16,10 +16,12 @@ from streambox.device import Event
 class Offload:
     """Slow work on a helper thread (a plan lowered, weights issued, uploads issued). The instance is
     *held* meanwhile: its later messages queue in order, so its stream sees its work in program order.
-    Resumed with the future's result; its error is raised as `ProxyError("<what> failed: ...")`."""
+    Resumed with the future's result; its error is raised as `ProxyError("<what> failed: ...")`.
+    `phase` says what the wait counts as in the request's phase timings (`phases.py`; None: as the op)."""
 
     future: Future[Any]
     what: str
+    phase: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,18 @@ class Transport(enum.Enum):
     RPC = "rpc"  # another node
 
 
+def location_name(device: int) -> str:
+    """How stats name a location: `gpu<i>` or `host` (the `HOST` index, -1)."""
+    return "host" if device < 0 else f"gpu{device}"
+
+
+def count_into(table: dict[str, dict[str, int]], where: str, nbytes: int) -> None:
+    """One more transfer of `nbytes` under `where` in a {where: {"count", "bytes"}} table."""
+    row = table.setdefault(where, {"count": 0, "bytes": 0})
+    row["count"] += 1
+    row["bytes"] += nbytes
+
+
 def span_bytes(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> int:
     """Bytes from a strided tensor's first element to the end of its last one."""
     if any(d == 0 for d in shape):
@@ -65,6 +77,11 @@ class StoreStats:
     move_count: dict[str, int] = field(default_factory=dict)
     move_bytes: dict[str, int] = field(default_factory=dict)
     bytes_moved: int = 0
+    # Moves by destination ("gpu2", "host"): {"count": n, "bytes": b}. With several GPUs, AM's
+    # neighbour-first rule shows here as moves to GPUs before any to host.
+    moved_to: dict[str, dict[str, int]] = field(default_factory=dict)
+    # GETs served by a copy (peer-copy or host-to-device), by where the data was: {"count", "bytes"}.
+    copied_from: dict[str, dict[str, int]] = field(default_factory=dict)
     move_seconds: float = 0.0
     reclaims: int = 0
     reclaim_seconds: float = 0.0

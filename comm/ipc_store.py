@@ -30,7 +30,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ from . import quota
 from .baselines import CudaIpcModel, busy_wait
 from .config import StoreConfig
 from .errors import CommError, GetTimeout, KeyExists, StoreClosed
-from .handle import DeviceTensorLike, Handle, StoreStats, Transport, span_bytes
+from .handle import DeviceTensorLike, Handle, StoreStats, Transport, location_name, span_bytes
 from .store_protocol import PutWatchers, check_put_args, tensor_layout
 from .tables import HOST, Location, dtype_name
 
@@ -171,6 +172,17 @@ class IpcStore:
         """Stored bytes per GPU (HOST: host memory)."""
         with self._cond:
             return {**self._used, HOST: self._host_used}
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a `stats` reply shows of the store (JSON-ready), in `CommStore.snapshot`'s shape."""
+        held = self.usage()
+        with self._cond:
+            return {
+                "gpus": sorted(self._rt),
+                "held_bytes": {location_name(g): n for g, n in sorted(held.items())},
+                "keys": len(self._entries),
+                **asdict(self.stats),
+            }
 
     def start(self) -> IpcStore:
         return self  # nothing runs in the background

@@ -30,7 +30,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -40,7 +40,16 @@ from streambox.device import Event, HostBuffer, OutOfDeviceMemory, Runtime, Stre
 from . import policy, quota
 from .config import IdlePredictor, StoreConfig
 from .errors import CommError, GetTimeout, KeyExists, StoreClosed
-from .handle import Allocator, DeviceTensorLike, Handle, StoreStats, Transport, span_bytes
+from .handle import (
+    Allocator,
+    DeviceTensorLike,
+    Handle,
+    StoreStats,
+    Transport,
+    count_into,
+    location_name,
+    span_bytes,
+)
 from .policy import HOST, GpuState, ItemState, Move
 from .store_protocol import PutWatchers, check_put_args, tensor_layout
 from .tables import GlobalTable, GlobalView, Location, NodeTable, dtype_name, parse_dtype
@@ -93,8 +102,9 @@ class _Lease:
 
 
 #: Idle memory per GPU: one predictor for all GPUs, a value or a predictor per GPU (e.g. the memory
-#: pool's `memory_pool.idle.PoolIdleMemory` of that GPU's pool), or None (observed free memory).
-IdleSource = IdlePredictor | Mapping[int, float | IdlePredictor] | None
+#: pool's `memory_pool.idle.PoolIdleMemory` of that GPU's pool, or None for that GPU's observed free
+#: memory: a neighbour GPU whose demand model lives in other processes), or None (observed, all GPUs).
+IdleSource = IdlePredictor | Mapping[int, float | IdlePredictor | None] | None
 
 
 class CommStore:
@@ -163,6 +173,8 @@ class CommStore:
             raise ValueError(f"idle memory given for GPUs {sorted(values)}, missing {missing}")
         def per_gpu(gpu: int, now: float, window: float) -> float:
             value = values[gpu]
+            if value is None:
+                return self._observed_idle(gpu, now, window)
             return value(gpu, now, window) if callable(value) else value
 
         return per_gpu
@@ -240,6 +252,19 @@ class CommStore:
     def held_leases(self) -> int:
         with self._cond:
             return len(self._leases)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a `stats` reply shows of the store (JSON-ready): its GPUs, the bytes it holds per
+        location (`gpu<i>`, `host`), its keys and its counters (moves and copies by location)."""
+        with self._cond:
+            return {
+                "gpus": self.devices,
+                "held_bytes": {location_name(g): n for g, n in sorted(self.usage().items())},
+                "keys": len(self._items),
+                "adaptive_movement": self.config.adaptive_movement,
+                "pressure_aware": self.config.pressure_aware,
+                **asdict(self.stats),
+            }
 
     # -- buffers ----------------------------------------------------------------------------
     def _account(self, device: int, nbytes: int) -> None:
@@ -596,6 +621,7 @@ class CommStore:
                 self._free(src)
         lease = self._new_lease(new, owner, None, self.clock())
         self.stats.gets[transport.value] += 1
+        count_into(self.stats.copied_from, location_name(src.device), item.nbytes)
         self._cond.notify_all()
         return self._handle(item, new, lease, gpu, transport)
 
@@ -811,6 +837,7 @@ class CommStore:
             stats.move_count[path] = stats.move_count.get(path, 0) + 1
             stats.move_bytes[path] = stats.move_bytes.get(path, 0) + item.nbytes
             stats.bytes_moved += item.nbytes
+            count_into(stats.moved_to, location_name(dst), item.nbytes)
             self.stats.move_seconds += time.perf_counter() - started
         return Move(move.key, move.src, dst, move.nbytes, rule)
 

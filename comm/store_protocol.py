@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -67,6 +67,10 @@ class Store(Protocol):
     def keys(self) -> list[str]: ...
 
     def usage(self) -> dict[int, int]: ...
+
+    def snapshot(self) -> dict[str, Any]:
+        """What `stats` shows of the store (JSON-ready): GPUs, bytes per location, counters."""
+        ...
 
     def release_owner(self, owner: str) -> int: ...
 

@@ -67,7 +67,7 @@ V100_16GB = DeviceSpec(
         pinned_bandwidth=12e9,
         pageable_bandwidth=6e9,
         latency_s=_V100_LATENCY,
-        peer_bandwidth=150e9,
+        peer_bandwidth=48e9,
         peer_latency_s=5e-6,
         device_bandwidth=900e9,
         pinned_alloc_s_per_byte=0.2 / (200 * MiB),
@@ -114,7 +114,12 @@ SOURCES: dict[str, str] = {
     "through a bounce buffer",
     "link.pinned_alloc_s_per_byte": "paper Sec. 7.1 (pinned allocation ~200 ms per 200 MB, V100 host); "
     "H100: modelled at half that",
-    "link.peer_bandwidth": "NVLink 2 (V100, 150 GB/s) and NVLink 4 (H100, 450 GB/s) specifications",
+    "link.peer_bandwidth": "modelled, one GPU pair. V100: 48 GB/s, measured between two V100-SXM2 of a "
+    "four-GPU server (two NVLink 2 links, 50 GB/s theoretical; 143.7 GB/s from one GPU to all three, "
+    "of 150) by p2pBandwidthLatencyTest in Dell EMC's 'Ready Solutions for AI: Deep Learning with "
+    "NVIDIA' reference guide (Table 3); the paper's 'NVLink up to 300GB/s' (Sec. 6.2) is a V100's "
+    "six links, both directions. H100: NVLink 4 through NVSwitch, 450 GB/s per direction to any peer "
+    "(specification)",
     "link.peer_latency_s": "modelled: a few microseconds per peer copy call",
     "link.device_bandwidth": "HBM2 / HBM3 bandwidth of the products (V100 900 GB/s; H100 ~3 TB/s)",
     "context_memory": "modelled: a bare CUDA context, ~300 MiB on V100 (CUDA 11, no lazy loading); "

@@ -14,16 +14,23 @@ import asyncio
 import inspect
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from streambox.phases import PHASES
+
 from .shaping import Arrival
 from .target import Outcome, Target
 
 EventFactory = Callable[[int, Arrival], dict[str, Any]]
+
+
+def phase_columns(phases: Mapping[str, float]) -> dict[str, float]:
+    """`Outcome.phases` (seconds) as RequestRecord's `<phase>_ms` columns (nan where not measured)."""
+    return {f"{phase}_ms": phases[phase] * 1e3 if phase in phases else math.nan for phase in PHASES}
 
 
 @dataclass
@@ -40,6 +47,13 @@ class RequestRecord:
     cold_start: bool
     slo_violation: bool  # status != "ok" or latency_s > slo_s
     error: str = ""
+    # Outcome.phases in ms (nan when the target did not measure them); they add up to target_latency_s
+    cold_start_ms: float = math.nan
+    queue_ms: float = math.nan
+    model_load_ms: float = math.nan
+    compute_ms: float = math.nan
+    comm_ms: float = math.nan
+    other_ms: float = math.nan
 
 
 @dataclass
@@ -140,6 +154,7 @@ async def drive(
             bool(outcome.cold_start) if outcome is not None else False,
             status != "ok" or latency > slo_s,
             error,
+            **phase_columns(outcome.phases if outcome is not None else {}),
         )
         counters["done"] += 1
         bar.update(

@@ -2,7 +2,8 @@
 
 A run directory holds:
 - `config.json`: the run's full configuration (written before the first request),
-- `requests.csv`: one row per request (RequestRecord's fields plus the function's pattern),
+- `requests.csv`: one row per request (RequestRecord's fields plus the function's pattern; the
+  request's phases in ms, `PHASE_COLUMNS`, empty where the system did not measure them),
 - `samples.csv`: one row per sample of the target (t_s, memory_used_bytes, pool_bytes, demand_bytes,
   memory.<component>_bytes, outstanding, ...),
 - `summary.json`: the figures below.
@@ -25,10 +26,14 @@ from typing import Any
 
 import numpy as np
 
+from streambox.phases import PHASES
+
 from .driver import DriveResult, RequestRecord
 from .target import COMPONENT_PREFIX
 
 MEMORY_KEYS = ("memory_used_bytes", "pool_bytes", "demand_bytes")
+#: requests.csv's phase columns (ms), one per `streambox.phases.PHASES`, in that order
+PHASE_COLUMNS = tuple(f"{phase}_ms" for phase in PHASES)
 
 
 def _percentiles_ms(values: Sequence[float]) -> dict[str, float | None]:
@@ -134,6 +139,8 @@ def write_requests(path: Path, records: Sequence[RequestRecord], patterns: Mappi
             row["pattern"] = patterns.get(record.function, "")
             for key in ("scheduled_s", "sent_s", "latency_s", "target_latency_s"):
                 row[key] = "" if math.isnan(row[key]) else f"{row[key]:.6f}"
+            for key in PHASE_COLUMNS:
+                row[key] = "" if math.isnan(row[key]) else f"{row[key]:.3f}"
             writer.writerow(row)
 
 

@@ -177,6 +177,7 @@ class WorkflowTarget:
             status=result.status,
             cold_start=result.cold_starts > 0,
             error=None if result.ok else f"{result.failed_call or ''}: {result.error}".lstrip(": "),
+            phases=result.phases(),
         )
 
     def sample(self) -> dict[str, float]:

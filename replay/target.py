@@ -39,6 +39,9 @@ class Outcome:
     status: str = "ok"
     cold_start: bool = False
     error: str | None = None
+    #: seconds by phase (`streambox.phases.PHASES`: cold_start, queue, model_load, compute, comm,
+    #: other), adding up to `latency_s`; empty when the target cannot measure them
+    phases: Mapping[str, float] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -72,7 +72,12 @@ class DeviceFields(SettingsModel):
     device_preset: str = Field(
         "v100-16gb", description="emulated device preset: v100-16gb, h100-80gb (streambox.device.PRESETS)"
     )
-    gpus: int = Field(1, ge=1, description="number of emulated GPUs")
+    gpus: int = Field(
+        1,
+        ge=1,
+        description="GPUs of the node: proxies are placed on the one with the least memory in use, and "
+        "AM moves a proxy's data to the least-pressured other GPU before host",
+    )
     # From $STREAMBOX_DEVICE_MODE even when a Config is built field by field, so that the processes a
     # run starts (proxies, monolithic instances) follow the run's mode.
     device_mode: Literal["functional", "timed"] = Field(

@@ -41,6 +41,7 @@ from streambox.api_proxy.errors import ProxyError
 from streambox.api_proxy.proxy_config import SYSTEMS
 from streambox.config import INPUTS, Config
 from streambox.flags import config_from
+from streambox.phases import PHASES
 
 from .commands import inputs_from, load_event, load_specs, proxy_options_from
 from .engine import Engine
@@ -51,6 +52,7 @@ from .proxy_invoker import ProxyInvoker
 from .spec import WorkflowSpec
 
 VIAS = ("gateway", "engine")
+
 
 # -- inputs ---------------------------------------------------------------------------------------
 def _value(text: str) -> Any:
@@ -213,7 +215,9 @@ class BurstReport:
     warmup: int = 0  # requests sent before `outcomes` and left out of them
     proxy_options: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)  # the proxy's resolved tree (its `stats`)
-    store: dict[str, Any] = field(default_factory=dict)  # its communication store's counters (`stats`)
+    # The proxy's GPU and its store as its `stats` reported last (moves per destination with --gpus N).
+    gpu: int | None = None
+    store: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> int:
@@ -251,6 +255,26 @@ class BurstReport:
             }
         return out
 
+    def phases_ms(self) -> dict[str, float]:
+        """Mean ms per phase of the successful requests (`RequestResult.phases`: along each request's
+        critical path, adding up to its engine latency) and `client`, the rest of the client's latency
+        (HTTP and the gateway via the gateway); the means add up to the mean latency."""
+        rows = [(o.latency_s * 1e3, o.body.get("phases_ms") or {}) for o in self.outcomes if o.ok]
+        rows = [(ms, p) for ms, p in rows if p]
+        if not rows:
+            return {}
+        out = {phase: sum(p.get(phase, 0.0) for _, p in rows) / len(rows) for phase in PHASES}
+        out["client"] = sum(ms - sum(p.values()) for ms, p in rows) / len(rows)
+        return {phase: round(ms, 3) for phase, ms in out.items()}
+
+    def other_ms(self, key: str = "other_ms") -> dict[str, float]:
+        """Mean ms of the `other` phase by where it went (`RequestResult.other`), or of the phases'
+        details with `key="detail_ms"` (`RequestResult.detail`)."""
+        rows = [o.body.get(key) or {} for o in self.outcomes if o.ok]
+        rows = [r for r in rows if r]
+        parts = sorted({part for r in rows for part in r})
+        return {part: round(sum(r.get(part, 0.0) for r in rows) / len(rows), 3) for part in parts}
+
     def errors(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for outcome in self.outcomes:
@@ -270,6 +294,7 @@ class BurstReport:
             "params": self.params,
             "proxy_options": self.proxy_options,
             "settings": self.settings,
+            "gpu": self.gpu,
             "store": self.store,
             "ok": self.ok,
             "failed": self.failed,
@@ -278,6 +303,9 @@ class BurstReport:
             "throughput_rps": round(len(self.outcomes) / self.wall_s, 3) if self.wall_s > 0 else None,
             "deploy_s": round(self.deploy_s, 3),
             "latency_ms": self.latency_ms(),
+            "phases_ms": self.phases_ms(),
+            "other_ms": self.other_ms(),
+            "detail_ms": self.other_ms("detail_ms"),
             "proxy_starts": self.proxy_starts,
             "instance_starts": self.instance_starts,
             "functions": self.functions(),
@@ -416,6 +444,7 @@ class Deployment:
         finally:
             sampler.cancel()
         memory = await self.memory()
+        last = self.invoker.last_stats().get(self.spec.name, {})
         starts, self._proxy_starts_reported = (
             self.invoker.proxy_starts - self._proxy_starts_reported,
             self.invoker.proxy_starts,
@@ -434,8 +463,9 @@ class Deployment:
             peak_memory=peak[0].peak(memory),
             warmup=warmup,
             proxy_options=self.proxy_options,
-            settings=dict(self.invoker.last_stats().get(self.spec.name, {}).get("settings", {})),
-            store=dict(self.invoker.last_stats().get(self.spec.name, {}).get("store", {})),
+            settings=dict(last.get("settings", {})),
+            gpu=last.get("device", {}).get("index"),
+            store=dict(last.get("store", {})),
         )
 
 
@@ -509,6 +539,17 @@ def _mechanisms(settings: dict[str, Any]) -> str:
     )
 
 
+def _store_line(store: dict[str, Any]) -> str:
+    """GETs by transport and moves by destination, in one line."""
+    gets = store.get("gets", {})
+    moved_to = sorted(store.get("moved_to", {}).items())
+    moved = ", ".join(f"{k} {v['count']} ({_mib(v['bytes'])})" for k, v in moved_to)
+    return (
+        f"GETs same/peer/host {gets.get('same-gpu', 0)}/{gets.get('peer-copy', 0)}/"
+        f"{gets.get('host-to-device', 0)}; moved to {moved or 'nowhere'}"
+    )
+
+
 def print_report(report: BurstReport, file: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -545,6 +586,8 @@ def print_report(report: BurstReport, file: Any = None) -> None:
         rows.insert(1, ("warm-up requests (not counted)", str(report.warmup)))
     if report.settings:
         rows.append(("mechanisms", _mechanisms(report.settings)))
+    if report.store:
+        rows.append(("store (GPU " + str(report.gpu) + ")", _store_line(report.store)))
     for row in rows:
         summary.add_row(*row)
     console.print(summary)
@@ -578,6 +621,18 @@ def print_report(report: BurstReport, file: Any = None) -> None:
                 str(report.peak_memory.instances.get(function, "-")),
             )
         console.print(table)
+    phases = report.phases_ms()
+    if phases:
+        table = Table(title="where a request's time goes: mean ms per phase, along its critical path")
+        for phase in phases:
+            table.add_column(phase, justify="right")
+        table.add_row(*(f"{ms:,.1f}" for ms in phases.values()))
+        console.print(table)
+        other = ", ".join(f"{part} {ms:,.1f}" for part, ms in report.other_ms().items())
+        console.print(f"other, by where (mean ms): {other}", highlight=False)
+        detail = ", ".join(f"{part} {ms:,.1f}" for part, ms in report.other_ms("detail_ms").items())
+        if detail:
+            console.print(f"of compute, the device once issued (mean ms): {detail}", highlight=False)
     for message, count in report.errors().items():
         console.print(f"[red]{count} x[/red] {message}", markup=True, highlight=False)
 

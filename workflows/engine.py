@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from streambox.phases import OTHER, QUEUE, request_phases, split_call
+
 from .invoker import InvocationError, InvocationTimeout, Invoker
 from .spec import MAX_ITEMS_CEILING, EdgeSpec, WorkflowGraph, WorkflowSpec
 
@@ -71,6 +73,13 @@ class CallRecord:
     queued_s: float = 0.0  # waiting for a free instance (max_instances)
     wall_s: float = 0.0  # from being ready to run to its end, as the engine saw it
     error: str | None = None
+    after: CallRecord | None = None  # the call whose end made this one ready (None: an entry)
+    ready_s: float = 0.0  # when it became ready, from the start of the request
+    #: seconds by phase (`streambox.phases`), adding up to `wall_s`; empty unless it succeeded
+    phases: dict[str, float] = field(default_factory=dict)
+    #: `other` by where it went: the invoker's parts (`InvocationResult.other`) and `engine`, the rest
+    other: dict[str, float] = field(default_factory=dict)
+    detail: dict[str, float] = field(default_factory=dict)  # `InvocationResult.detail`
 
     @property
     def label(self) -> str:
@@ -85,6 +94,10 @@ class CallRecord:
             "latency_ms": None if self.latency_s is None else round(self.latency_s * 1e3, 3),
             "queued_ms": round(self.queued_s * 1e3, 3),
             "wall_ms": round(self.wall_s * 1e3, 3),
+            "after": self.after.label if self.after is not None else None,
+            "phases_ms": _ms(self.phases),
+            "other_ms": _ms(self.other),
+            "detail_ms": _ms(self.detail),
             **({"error": self.error} if self.error else {}),
         }
 
@@ -109,6 +122,47 @@ class RequestResult:
     @property
     def cold_starts(self) -> int:
         return sum(c.cold_start for c in self.calls)
+
+    def critical_path(self) -> list[CallRecord]:
+        """The chain of calls that decided the latency: from the call that ended last, back through
+        the calls whose end made each one ready."""
+        ended = [c for c in self.calls if c.phases]
+        if not ended:
+            return []
+        call: CallRecord | None = max(ended, key=lambda c: c.ready_s + c.wall_s)
+        path = []
+        while call is not None:
+            path.append(call)
+            call = call.after
+        return path[::-1]
+
+    def phases(self) -> dict[str, float]:
+        """Seconds by phase along the critical path, adding up to the latency (empty unless ok)."""
+        path = self.critical_path()
+        if not self.ok or not path:
+            return {}
+        return request_phases([c.phases for c in path], sum(c.wall_s for c in path), self.latency_s)
+
+    def other(self) -> dict[str, float]:
+        """The `other` phase by where it went along the critical path; `engine` includes the gaps
+        between the path's calls and the request's start and end."""
+        path = self.critical_path()
+        if not self.ok or not path:
+            return {}
+        out: dict[str, float] = {}
+        for call in path:
+            for part, seconds in call.other.items():
+                out[part] = out.get(part, 0.0) + seconds
+        out["engine"] = out.get("engine", 0.0) + self.latency_s - sum(c.wall_s for c in path)
+        return out
+
+    def detail(self) -> dict[str, float]:
+        """The calls' `detail` (parts of their phases) summed along the critical path."""
+        out: dict[str, float] = {}
+        for call in self.critical_path() if self.ok else []:
+            for part, seconds in call.detail.items():
+                out[part] = out.get(part, 0.0) + seconds
+        return out
 
     @property
     def slo_met(self) -> bool:
@@ -141,6 +195,9 @@ class RequestResult:
             "slo_met": self.slo_met,
             "cold_starts": self.cold_starts,
             "breakdown": self.breakdown(),
+            "phases_ms": _ms(self.phases()),
+            "other_ms": _ms(self.other()),
+            "detail_ms": _ms(self.detail()),
             "calls": [c.to_json() for c in self.calls],
         }
         if not self.ok:
@@ -148,6 +205,10 @@ class RequestResult:
             if self.traceback:
                 body["traceback"] = self.traceback
         return body
+
+
+def _ms(seconds: Mapping[str, float]) -> dict[str, float]:
+    return {phase: round(s * 1e3, 3) for phase, s in seconds.items()}
 
 
 class _CallFailed(Exception):
@@ -192,6 +253,7 @@ class _Run:
         self.outputs: dict[str, list[tuple[Path, Any]]] = defaultdict(list)
         self.calls: list[CallRecord] = []
         self.deadline = 0.0
+        self.started = time.perf_counter()
         self._group: asyncio.TaskGroup | None = None
 
     async def execute(self, event: dict[str, Any], timeout_s: float) -> None:
@@ -200,7 +262,7 @@ class _Run:
         async with asyncio.timeout_at(loop.time() + timeout_s), asyncio.TaskGroup() as group:
             self._group = group
             for name in self.wf.graph.entries:
-                self._launch(name, event, ())
+                self._launch(name, event, (), None)
 
     def _event(self, function: str, item: Any) -> dict[str, Any]:
         event = dict(item) if isinstance(item, dict) else {"value": item}
@@ -209,9 +271,9 @@ class _Run:
             event["params"] = params
         return event
 
-    def _launch(self, function: str, item: Any, path: Path) -> None:
+    def _launch(self, function: str, item: Any, path: Path, after: CallRecord | None) -> None:
         self.inflight[function] += 1
-        self.waiting[function].append((item, path))
+        self.waiting[function].append((item, path, after))
         self._pump(function)
 
     def _pump(self, function: str) -> None:
@@ -220,15 +282,16 @@ class _Run:
         window = LAUNCH_WINDOW * self.wf.spec.functions[function].max_instances
         waiting = self.waiting[function]
         while waiting and self.running[function] < window:
-            item, path = waiting.popleft()
+            item, path, after = waiting.popleft()
             self.running[function] += 1
-            record = CallRecord(function, path)
+            record = CallRecord(function, path, after=after)
             self.calls.append(record)
             self._group.create_task(self._call(record, self._event(function, item)))
 
     async def _call(self, record: CallRecord, event: dict[str, Any]) -> None:
         fn = self.wf.spec.functions[record.function]
         started = time.perf_counter()
+        record.ready_s = started - self.started
         try:
             async with self.wf.slots[record.function]:
                 record.queued_s = time.perf_counter() - started
@@ -266,11 +329,16 @@ class _Run:
         record.status = OK
         record.cold_start = result.cold_start
         record.latency_s = result.latency_s
+        measured = dict(result.phases)
+        measured[QUEUE] = measured.get(QUEUE, 0.0) + record.queued_s  # the engine's own wait too
+        record.phases = split_call(record.wall_s, measured)
+        record.other = {**result.other, "engine": record.phases[OTHER] - sum(result.other.values())}
+        record.detail = dict(result.detail)
         self._deliver(record, result.output)
         self.running[record.function] -= 1
         self.inflight[record.function] -= 1
         self._pump(record.function)
-        self._settle(record.function)
+        self._settle(record.function, record)
 
     def _deliver(self, record: CallRecord, output: Any) -> None:
         self.outputs[record.function].append((record.path, output))
@@ -279,7 +347,7 @@ class _Run:
                 if self.wf.graph.is_fan_in(edge.to):
                     self.collected[edge.to][edge.source].append((path, item))
                 else:
-                    self._launch(edge.to, item, path)
+                    self._launch(edge.to, item, path, record)
 
     def _items(self, record: CallRecord, edge: EdgeSpec, output: Any) -> list[tuple[Path, Any]]:
         value = output
@@ -306,8 +374,9 @@ class _Run:
             raise _CallFailed(record, f"{record.label} failed: {record.error}")
         return [((*record.path, i), item) for i, item in enumerate(value)]
 
-    def _settle(self, function: str) -> None:
-        """Mark `function` complete once nothing more can start it; start fan-ins that became ready."""
+    def _settle(self, function: str, after: CallRecord) -> None:
+        """Mark `function` complete once nothing more can start it; start fan-ins that became ready
+        (`after`: the call whose end made it so)."""
         graph = self.wf.graph
         if function in self.complete or self.inflight[function] > 0:
             return
@@ -319,11 +388,11 @@ class _Run:
                 e.source: [item for _, item in sorted(self.collected[function][e.source], key=_first)]
                 for e in graph.upstream[function]
             }
-            self._launch(function, {"inputs": inputs}, ())
+            self._launch(function, {"inputs": inputs}, (), after)
             return
         self.complete.add(function)
         for edge in graph.downstream[function]:
-            self._settle(edge.to)
+            self._settle(edge.to, after)
 
     def result_of(self, function: str) -> Any:
         outputs = [out for _, out in sorted(self.outputs[function], key=_first)]
@@ -401,7 +470,7 @@ class Engine:
         request_id = request_id or new_request_id()
         timeout_s = timeout_s if timeout_s is not None else wf.spec.timeout_ms / 1e3
         run = _Run(self, wf, request_id)
-        started = time.perf_counter()
+        started = run.started
         status, output, error, failed, tb = OK, None, None, None, None
         try:
             await run.execute(event, timeout_s)

@@ -34,6 +34,15 @@ class InvocationResult:
     output: Any  # JSON-able: dict, list, str, number, bool or None
     cold_start: bool  # a new function instance was started for this invocation
     latency_s: float  # from the invoker taking the call to the output being ready, cold start included
+    #: seconds by phase, measured where they happened (`streambox.phases`: cold_start, queue,
+    #: model_load, compute, comm); what the invoker cannot measure is left out (the engine's `other`)
+    phases: Mapping[str, float] = field(default_factory=dict)
+    #: where parts of the rest (`other`) went, in seconds, as far as the invoker can tell (e.g. the
+    #: handler's own code and channel, the control hop); the engine adds its own share
+    other: Mapping[str, float] = field(default_factory=dict)
+    #: parts of measured phases worth telling apart (`device_wait`: of `compute`, the wait for the
+    #: device work once issued), in seconds; already counted in `phases`
+    detail: Mapping[str, float] = field(default_factory=dict)
 
 
 class InvocationError(Exception):

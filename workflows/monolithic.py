@@ -68,6 +68,7 @@ from typing import Any
 from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, InstancePool
 from streambox.comm.baselines import CudaIpcModel, RedisServer, RedisUnavailable
 from streambox.config import Config
+from streambox.phases import COLD_START, QUEUE
 
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
 from .local import _json_copy
@@ -312,6 +313,8 @@ class MonolithicInvoker:
         event = _json_copy(event, f"the event of {function!r}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         instance, cold = await self._acquire(wf, fn, deadline)
+        # The phases this invoker can measure: the wait for an instance, its start when cold.
+        phases = {COLD_START if cold else QUEUE: time.perf_counter() - started}
         limit = fn.timeout_s if deadline is None else min(fn.timeout_s, deadline - time.monotonic())
         if limit <= 0:
             self._release(fn, instance)
@@ -323,7 +326,7 @@ class MonolithicInvoker:
         reply = await asyncio.shield(call)
         if not reply["ok"]:
             raise InvocationError(function, reply["error_type"], reply["message"], reply.get("traceback"))
-        return InvocationResult(reply["output"], cold, time.perf_counter() - started)
+        return InvocationResult(reply["output"], cold, time.perf_counter() - started, phases)
 
     async def end_request(self, workflow: str, request_id: str) -> None:
         if self._registry is not None:  # astraea: the producers free the request's cached data

@@ -8,6 +8,10 @@
   `InvocationTimeout`.
 - Warm proxies follow `keepalive.WarmProxies`: at most `max_proxies_per_device` (3) per GPU, the
   longest-idle one evicted first when another is needed, idle ones stopped after `keep_alive_s`.
+- Placement on a node of several GPUs (`--gpus N`): a proxy starts on the GPU with the least memory
+  in use as the node reports it (every process's contexts, pools, weights and other jobs), ties to
+  the GPU with fewer warm proxies, then the lowest index (`WarmProxies.admit`). `placement()` and
+  each proxy's `stats` (`device.index`) say where each one runs.
 - `runtime_stats()` (the gateway's `/metrics` callback) returns what the proxies reported last; a
   background task refreshes it every `stats_period_s`.
 """
@@ -26,6 +30,7 @@ from streambox.api_proxy.errors import FunctionFailed, FunctionTimeout, ProxyErr
 from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_PROXIES_PER_DEVICE, WarmProxies
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
 from streambox.config import Config
+from streambox.phases import COLD_START, DEVICE_WAIT, QUEUE
 
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
 from .spec import WorkflowSpec
@@ -45,6 +50,8 @@ def proxy_config_for(spec: WorkflowSpec, config: Config, system: str, **options:
             max_instances=fn.max_instances,
             timeout_s=(fn.timeout_ms or spec.timeout_ms) / 1e3,
             gpu_percent=fn.gpu_percent,
+            max_batch_size=fn.max_batch_size,
+            max_queue_delay_s=fn.max_queue_delay_ms / 1e3,
         )
         for name, fn in spec.functions.items()
     )
@@ -95,6 +102,7 @@ class ProxyInvoker:
         self.stats_period_s = stats_period_s
         self._workflows: dict[str, _Deployed] = {}
         self._housekeeping: asyncio.Task[None] | None = None
+        self._backend: Any = None  # opened for the node's memory use when placing on several GPUs
         self.proxy_starts = 0
 
     @classmethod
@@ -109,9 +117,9 @@ class ProxyInvoker:
         config = proxy_config_for(spec, self.config, self.system, **self.proxy_options)
         self._workflows[spec.name] = wf = _Deployed(spec, config)
         self._ensure_housekeeping()
-        admission = self.warm.admit(spec.name, time.monotonic())
+        admission = self.warm.admit(spec.name, time.monotonic(), self._device_loads())
         if not admission.evict and not admission.wait:
-            await self._start(wf)
+            await self._start(wf, admission.device)
 
     async def invoke(
         self,
@@ -129,6 +137,7 @@ class ProxyInvoker:
         fn_timeout = wf.config.function(function).timeout_s
         limit = fn_timeout if timeout_s is None else min(fn_timeout, timeout_s)
         proxy_cold = await self._ensure_proxy(wf)
+        proxy_start_s = time.perf_counter() - started if proxy_cold else 0.0
         assert wf.client is not None
         self.warm.begin(workflow, time.monotonic())
         try:
@@ -148,9 +157,18 @@ class ProxyInvoker:
         finally:
             if workflow in self._workflows and workflow in self.warm.warm():
                 self.warm.end(workflow, time.monotonic())
-        return InvocationResult(
-            reply["output"], bool(reply["cold_start"]) or proxy_cold, time.perf_counter() - started
-        )
+        latency_s = time.perf_counter() - started
+        phases = dict(reply.get("phases") or {})
+        before_run = phases.get(COLD_START, 0.0) + phases.get(QUEUE, 0.0)
+        in_call = sum(phases.values()) - before_run - reply["finish_s"]  # measured during the run
+        other = {
+            "handler": reply["run_s"] - in_call,  # the handler's own code, the channel, dispatcher delays
+            "control": latency_s - proxy_start_s - reply["latency_s"],  # the control hop, this invoker
+        }
+        phases[COLD_START] = phases.get(COLD_START, 0.0) + proxy_start_s  # the proxy's own start too
+        cold = bool(reply["cold_start"]) or proxy_cold
+        detail = {DEVICE_WAIT: reply.get("device_wait_s", 0.0)}
+        return InvocationResult(reply["output"], cold, latency_s, phases, other, detail)
 
     async def end_request(self, workflow: str, request_id: str) -> None:
         wf = self._workflows.get(workflow)
@@ -185,6 +203,21 @@ class ProxyInvoker:
                 unprofiled_runs=s.get("profiles", {}).get("unprofiled_runs", 0),
             )
 
+    def placement(self) -> dict[str, int]:
+        """The GPU of each warm proxy, by workflow."""
+        return {name: self.warm.device_of(name) for name in self.warm.warm()}  # type: ignore[misc]
+
+    def _device_loads(self) -> list[int] | None:
+        """Device memory in use per GPU of the node (every process's), for placement; None on a
+        one-GPU node or when the backend reports fewer devices than the node is configured with."""
+        gpus = self.config.gpus
+        if gpus < 2:
+            return None
+        if self._backend is None:
+            self._backend = self.config.open_backend()
+        usage = self._backend.device_usage()
+        return [u.used_memory for u in usage[:gpus]] if len(usage) >= gpus else None
+
     def last_stats(self) -> dict[str, dict[str, Any]]:
         """Each warm proxy's last `stats` reply, by workflow (refreshed every `stats_period_s`)."""
         return {name: wf.stats for name, wf in list(self._workflows.items()) if wf.stats}
@@ -206,7 +239,7 @@ class ProxyInvoker:
             await asyncio.shield(wf.starting)
             return True
         while True:
-            admission = self.warm.admit(wf.spec.name, time.monotonic())
+            admission = self.warm.admit(wf.spec.name, time.monotonic(), self._device_loads())
             if not admission.wait:
                 break
             await asyncio.sleep(0.01)  # every proxy on that GPU is busy: wait for one to go idle
@@ -215,16 +248,14 @@ class ProxyInvoker:
         await self._start(wf, admission.device)
         return True
 
-    async def _start(self, wf: _Deployed, device: int | None = None) -> None:
+    async def _start(self, wf: _Deployed, device: int) -> None:
         loop = asyncio.get_running_loop()
         wf.starting = loop.create_future()
         try:
-            admission = self.warm.admit(wf.spec.name, time.monotonic()) if device is None else None
-            index = device if device is not None else admission.device  # type: ignore[union-attr]
-            config = wf.config.with_overrides(device=index)
+            config = wf.config.with_overrides(device=device)
             wf.proxy = await asyncio.to_thread(launch_proxy, config)
             wf.client = AsyncProxyClient(wf.proxy.address)
-            self.warm.started(wf.spec.name, index, time.monotonic())
+            self.warm.started(wf.spec.name, device, time.monotonic())
             self.proxy_starts += 1
             wf.starting.set_result(None)
         except BaseException as exc:

@@ -12,6 +12,8 @@ The schema (every key is checked; unknown keys are errors)::
         handler: streambox.workflows.examples.traffic:detect   # module:function
         models: [ssdlite320_mobilenet_v3]                      # zoo or registered models it infers with
         batch_size: 1             # batch its model plans are lowered for
+        max_batch_size: 4         # optional: concurrent invocations' infers run as one batch of up to
+        max_queue_delay_ms: 5     #   this many samples, gathered at most this long (Triton's dynamic batcher)
         max_instances: 4          # at most this many invocations of it run at once
         timeout_ms: 10000         # optional: one invocation's limit
         gpu_percent: 50           # optional: its kernels use at most this share of the GPU's units
@@ -35,6 +37,12 @@ Semantics (the engine's, `engine.py`):
   has finished and is invoked once with ``{"inputs": {upstream: [items...]}}`` (items in a fixed
   order: the order of the fan-out lists, not of completion). A function with more than one upstream
   function must be fan-in.
+- Batching (``max_batch_size`` > 1 and ``max_queue_delay_ms`` > 0): an ``infer`` of one invocation
+  waits up to ``max_queue_delay_ms`` for ``infer`` calls of other invocations of the same function
+  on the same model and per-sample input shape and dtype; together (at most ``max_batch_size``
+  samples) they run as one inference at the batch size they add up to, and each caller gets its own
+  rows of the outputs. ``max_batch_size`` counts samples (as Triton's does), so it must be at least
+  ``batch_size``. Either at its default (1, 0) leaves every inference unbatched.
 - The response's output is the result of ``output``, or, by default, of the only sink (function
   without outgoing edges), or a mapping sink -> result when there are several. A function's result is
   a single value when it runs once per request, and a list when a fan-out upstream (not closed by a
@@ -56,6 +64,8 @@ HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 HandlerRef = Annotated[str, StringConstraints(pattern=HANDLER_PATTERN, max_length=200)]
 DEFAULT_TIMEOUT_MS = 30_000.0
 DEFAULT_MAX_INSTANCES = 4
+MAX_BATCH_SIZE = 64  # plans for every batch size up to it are prepared at deploy
+MAX_QUEUE_DELAY_MS = 10_000.0
 DEFAULT_MAX_ITEMS = 1000  # items one fan-out may start (per upstream invocation)
 MAX_ITEMS_CEILING = 100_000
 
@@ -72,6 +82,12 @@ class FunctionSpec(_Strict):
     )
     batch_size: int = Field(1, ge=1, le=1024, description="batch the model plans are lowered for")
     max_instances: int = Field(DEFAULT_MAX_INSTANCES, ge=1, le=1024, description="concurrency limit")
+    max_batch_size: int = Field(
+        1, ge=1, le=MAX_BATCH_SIZE, description="samples one batched inference may hold (1: no batching)"
+    )
+    max_queue_delay_ms: float = Field(
+        0.0, ge=0, le=MAX_QUEUE_DELAY_MS, description="how long an inference waits for others to batch with"
+    )
     timeout_ms: float | None = Field(None, gt=0, description="one invocation's time limit")
     gpu_percent: int | None = Field(
         None, ge=1, le=100, description="share of the GPU's compute units its kernels use (GPU%)"

@@ -207,6 +207,12 @@ def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -
     filled: dict[str, FunctionSpec] = {}
     for name, fn in spec.functions.items():
         declared = declared_by.get(name)
+        if 1 < fn.max_batch_size < fn.batch_size:
+            doc.issue(
+                ("functions", name, "max_batch_size"),
+                f"{fn.max_batch_size} is smaller than batch_size ({fn.batch_size}): a batch holds whole "
+                f"invocations' inputs, so it must be 1 (no batching) or at least {fn.batch_size}",
+            )
         for i, model in enumerate(fn.models):
             if problem := unknown_model(model):  # neither the zoo's nor registered in the model pool
                 doc.issue(("functions", name, "models", i), problem)

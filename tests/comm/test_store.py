@@ -333,7 +333,13 @@ def test_pa_moves_the_largest_data_to_the_least_pressured_gpu_before_it_is_neede
     # 7 MiB held, 3 allowed: "l" (4 MiB) leaves, to GPU 2 (4/32) rather than GPU 1 (4/16).
     assert {k: store.location(k).device for k in sizes} == {"s": 0, "l": 2, "m": 0}
     assert store.stats.moves == {RULE_EVEN: 1} and store.usage()[0] == 3 * MiB
+    assert store.stats.moved_to == {"gpu2": {"count": 1, "bytes": 4 * MiB}}
     _check_contents(store, sizes)
+    # _check_contents read "l" from GPU 0: one GET served by a peer copy from GPU 2.
+    assert store.stats.copied_from == {"gpu2": {"count": 1, "bytes": 4 * MiB}}
+    snap = store.snapshot()
+    assert snap["gpus"] == [0, 1, 2] and snap["moved_to"] == store.stats.moved_to
+    assert snap["held_bytes"] == {"host": 0, "gpu0": 3 * MiB, "gpu1": 0, "gpu2": 4 * MiB}
 
 
 def test_rule1_data_read_from_another_gpu_moves_to_that_reader(make_store):
@@ -356,6 +362,7 @@ def test_without_am_data_goes_to_host(make_store):
     store.tick()
     assert {k: store.location(k).device for k in sizes} == {"a": HOST, "b": HOST}
     assert store.stats.moves == {RULE_HOST_NO_AM: 2} and store.usage()[HOST] == 5 * MiB
+    assert store.stats.moved_to == {"host": {"count": 2, "bytes": 5 * MiB}}
     with store.get("b", device=0) as h:
         assert h.transport is Transport.HOST
     _check_contents(store, sizes)

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from streambox.cli import main
+from streambox.phases import PHASES
 from streambox.workflows.burst import Memory, burst, default_events, parse_params, resolve_params
 from streambox.workflows.examples import load_example
 
@@ -70,6 +71,11 @@ def test_cli_burst_through_the_gateway_reports_latency_cold_starts_and_memory(ti
     assert report["functions"]["make"]["invocations"] == 3
     assert report["functions"]["total"]["invocations"] == 6  # the fan-out: two per request
     assert len(report["latencies_ms"]) == 3 and report["latency_ms"]["p50"] > 0
+    # Where the time went: the mean of each phase, and the client's share (HTTP, the gateway).
+    assert "where a request's time goes" in printed
+    phases = report["phases_ms"]
+    assert list(phases) == [*PHASES, "client"] and phases["cold_start"] > 0  # instances were started
+    assert sum(phases.values()) == pytest.approx(report["latency_ms"]["mean"], abs=0.05)
     memory = report["memory"]
     assert memory["device_total_bytes"] > memory["device_used_bytes"] > 0
     assert memory["pool_reserved_bytes"] >= memory["pool_used_bytes"] >= 0  # the pool may be idle by now
@@ -79,6 +85,9 @@ def test_cli_burst_through_the_gateway_reports_latency_cold_starts_and_memory(ti
     assert (settings["pa"], settings["bt"], settings["am"]) == (False, False, True)
     assert settings["pool_mode"] == "fm+rs" and settings["io_label"] == "RZ+PB"
     assert settings["inputs"] == "small" and settings["device"]["device_mode"] == "timed"
+    # Where the proxy ran and its store, as its stats said (one GPU: no neighbour, nothing moved).
+    assert report["gpu"] == 0 and report["store"]["gpus"] == [0] and report["store"]["moved_to"] == {}
+    assert "store (GPU 0)" in printed
 
 
 def test_burst_straight_to_the_engine_with_stream_sync_completion(tiny):

@@ -43,7 +43,8 @@ def test_unknown_key_suggests_the_right_one():
     text = "name: demo\nslo_ms: 100\nfunctions:\n  a:\n    handler: wf_test_handlers:echo\n    batchsize: 2\n"
     assert errors(text) == [
         "demo.yaml:6:5: functions.a.batchsize: unknown key; did you mean 'batch_size'? "
-        "(allowed keys: handler, models, batch_size, max_instances, timeout_ms, gpu_percent, params)"
+        "(allowed keys: handler, models, batch_size, max_instances, max_batch_size, max_queue_delay_ms, "
+        "timeout_ms, gpu_percent, params)"
     ]
 
 
@@ -75,6 +76,33 @@ def test_gpu_percent_is_a_whole_share_of_the_gpu():
         "demo.yaml:4:39: functions.a.gpu_percent: Input should be greater than or equal to 1 (got 0)",
         "demo.yaml:5:39: functions.b.gpu_percent: Input should be less than or equal to 100 (got 150)",
         "demo.yaml:6:39: functions.c.gpu_percent: Input should be a valid integer (got '50')",
+    ]
+
+
+def test_batching_fields_default_to_no_batching_and_bad_values_are_named():
+    head = "name: demo\nslo_ms: 50\nfunctions:\n"
+    plain = parse_spec(head + "  a: {handler: wf_test_handlers:echo}\n", "d.yaml", HERE).functions["a"]
+    assert (plain.max_batch_size, plain.max_queue_delay_ms) == (1, 0.0)
+    good = head + "  a: {handler: wf_test_handlers:echo, max_batch_size: 8, max_queue_delay_ms: 2}\n"
+    fn = parse_spec(good, "d.yaml", HERE).functions["a"]
+    assert (fn.max_batch_size, fn.max_queue_delay_ms) == (8, 2.0)
+    text = (
+        head
+        + "  a: {handler: wf_test_handlers:echo, max_batch_size: 0}\n"
+        + "  b: {handler: wf_test_handlers:echo, max_batch_size: 65}\n"
+        + '  c: {handler: wf_test_handlers:echo, max_queue_delay_ms: -1}\n'
+        + '  d: {handler: wf_test_handlers:echo, max_queue_delay_ms: "5"}\n'
+    )
+    assert errors(text) == [
+        "demo.yaml:4:39: functions.a.max_batch_size: Input should be greater than or equal to 1 (got 0)",
+        "demo.yaml:5:39: functions.b.max_batch_size: Input should be less than or equal to 64 (got 65)",
+        "demo.yaml:6:39: functions.c.max_queue_delay_ms: Input should be greater than or equal to 0 "
+        "(got -1)",
+        "demo.yaml:7:39: functions.d.max_queue_delay_ms: Input should be a valid number (got '5')",
+    ]
+    assert errors(head + "  e: {handler: wf_test_handlers:echo, batch_size: 4, max_batch_size: 2}\n") == [
+        "demo.yaml:4:54: functions.e.max_batch_size: 2 is smaller than batch_size (4): a batch holds "
+        "whole invocations' inputs, so it must be 1 (no batching) or at least 4"
     ]
 
 

@@ -1,0 +1,257 @@
+"""Batched inference: concurrent `infer` calls of one function's invocations run as ONE plan run.
+
+A function with `max_batch_size` > 1 and `max_queue_delay_s` > 0 has its `infer` calls gathered by
+`batcher.Gatherer` (pure) per kind: (function, model, per-sample shape and dtype of every input). The
+first member of a batch *leads* it: its op waits (an `Offload` on a future the dispatcher settles) until
+the batch closes -- full, or at the deadline, which the dispatcher's timers check (`close_due`) -- and
+then runs it on its own stream:
+
+1. the plan of the batch's total size (prepared at deploy for every multiple of the function's
+   `batch` up to `max_batch_size`, else read or lowered off the dispatcher by `Resources.plan_for`);
+2. one input per plan input gathered from the pool: each member's rows copied in, after the member's
+   stream reached its `infer` (an event recorded there);
+3. the plan run (on the dispatcher or an issuer thread, as an unbatched one);
+4. each member's rows of every output copied into a buffer of its own, registered to *its* invocation
+   (freed when its request ends, like any output); the gathered inputs and whole outputs are freed on
+   the leader's stream after the copies. The members' streams wait for the leader's work before their
+   next call, and their ops (waiting on an `Offload` of their own) are resumed with their handles.
+
+A batch that closes with its leader alone is not a batch: the leader's `infer` runs its own plan as
+if unbatched (no gathering copies; it only waited). Other members (followers) never run anything. A
+member whose invocation ended before the batch ran is left out; a leader that ends while the batch
+is open drops it and fails its followers' calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from streambox.device import Event
+from streambox.kernel_compiler.plan import KernelPlan
+
+from .batcher import Batch, Gatherer, Limits
+from .device_tensor import DeviceTensor
+from .errors import ProxyError
+from .executor import RunResult
+from .handles import Handle, contiguous_strides
+from .proxy_config import FunctionSpec
+from .waits import Offload, Wait
+
+if TYPE_CHECKING:
+    from .ops import CallContext
+    from .resources import Resources
+
+RunPlan = Callable[
+    ["Resources", "CallContext", str, KernelPlan, dict[str, DeviceTensor]], Generator[Wait, Any, RunResult]
+]
+
+
+@dataclass(eq=False)
+class Member:
+    """One `infer` call waiting in a batch: its checked inputs, and the futures it waits on."""
+
+    call: CallContext
+    inputs: list[DeviceTensor]
+    ready: Event  # recorded on the member's stream when it joined: its inputs are written by then
+    result: Future[list[Handle]] = field(default_factory=Future)  # its handles (followers wait on it)
+    closed: Future[Batch[Member]] = field(default_factory=Future)  # the batch closed (the leader waits)
+
+    @property
+    def samples(self) -> int:
+        return int(self.inputs[0].shape[0])
+
+    @property
+    def alive(self) -> bool:
+        inst = self.call.inst
+        return inst.state != "dead" and inst.invocation is self.call.inv
+
+
+def limits_of(spec: FunctionSpec) -> Limits | None:
+    """The function's batching limits, or None when its infers run alone."""
+    if spec.max_batch_size <= 1 or spec.max_queue_delay_s <= 0:
+        return None
+    return Limits(spec.max_batch_size, spec.max_queue_delay_s)
+
+
+def batch_sizes(spec: FunctionSpec) -> list[int]:
+    """The batch sizes a function's batches reach when every invocation brings `spec.batch` samples:
+    the plans prepared at deploy (other totals are lowered on first use)."""
+    if limits_of(spec) is None:
+        return []
+    return list(range(2 * spec.batch, spec.max_batch_size + 1, spec.batch))
+
+
+def joinable(limits: Limits, inputs: list[DeviceTensor]) -> bool:
+    """Whether these inputs can share a batch: contiguous, one leading (batch) dimension for all, and
+    fewer samples than a batch holds (a call that fills a batch alone runs alone)."""
+    if not inputs or any(len(t.shape) == 0 for t in inputs):
+        return False
+    samples = inputs[0].shape[0]
+    return 0 < samples < limits.max_samples and all(
+        t.shape[0] == samples and tuple(t.strides) == contiguous_strides(tuple(t.shape)) for t in inputs
+    )
+
+
+class Batching:
+    """The proxy's open batches (the dispatcher's side): joins, deadlines, and handing a closed batch
+    to its leader."""
+
+    def __init__(self) -> None:
+        self.gatherer: Gatherer[Member] = Gatherer()
+        self.batches_run = 0
+        self.members_batched = 0
+        self.sizes: list[int] = []  # samples of each batch run
+        self.alone = 0  # batches that closed with no call but their first: run as plain infers
+
+    def counters(self) -> dict[str, Any]:
+        """Batches run, the calls they served, how many samples each held (recent ones), and the calls
+        that waited for a batch but ran alone."""
+        return {
+            "batches": self.batches_run,
+            "members": self.members_batched,
+            "sizes": self.sizes[-256:],
+            "alone": self.alone,
+        }
+
+    def join(self, model: str, member: Member, limits: Limits, now: float) -> Batch[Member]:
+        """`member` joins the open batch of its function, model and per-sample inputs."""
+        signature = tuple((str(t.dtype), tuple(t.shape[1:])) for t in member.inputs)
+        kind = (member.call.inst.spec.name, model, signature)
+        batch, closed = self.gatherer.add(kind, member, member.samples, limits, now)
+        for done in closed:
+            self._hand_over(done)
+        return batch
+
+    def close_due(self, now: float) -> int:
+        """Hand every batch whose deadline came to its leader (the dispatcher's timers call this)."""
+        due = self.gatherer.due(now)
+        for batch in due:
+            self._hand_over(batch)
+        return len(due)
+
+    def next_deadline(self) -> float | None:
+        return self.gatherer.next_deadline()
+
+    def abandon(self, batch: Batch[Member], why: BaseException) -> None:
+        """The leader is gone: drop the batch if open, and fail the followers' calls."""
+        self.gatherer.discard(batch)
+        for member in batch.members[1:]:
+            if not member.result.done():
+                member.result.set_exception(why)
+
+    @staticmethod
+    def _hand_over(batch: Batch[Member]) -> None:
+        if not batch.leader.closed.done():
+            batch.leader.closed.set_result(batch)
+
+
+def infer_batched(
+    res: Resources,
+    call: CallContext,
+    model: str,
+    inputs: list[DeviceTensor],
+    limits: Limits,
+    run_plan: RunPlan,
+) -> Generator[Wait, Any, list[Handle] | None]:
+    """One `infer` as a member of a batch (see the module doc): returns this caller's handles, or None
+    when no other call joined it (the caller then runs its own plan as usual: no copies)."""
+    member = Member(call, inputs, res.record(call.inst.stream))
+    batch = res.batching.join(model, member, limits, time.perf_counter())
+    if batch.leader is not member:
+        return (yield Offload(member.result, f"the batched inference of {model!r}"))
+    try:
+        yield Offload(member.closed, f"gathering a batch for {model!r}")
+    except GeneratorExit:  # this call was dropped (its instance died or its request ended)
+        res.batching.abandon(batch, ProxyError(f"the batch of {model!r} lost the call that was to run it"))
+        raise
+    if not any(m.alive for m in batch.members[1:]):
+        res.batching.alone += 1
+        return None
+    try:
+        handles = yield from _run_batch(res, call, model, batch, run_plan)
+    except BaseException as exc:
+        why = exc if isinstance(exc, Exception) else ProxyError(f"the batch of {model!r} was dropped")
+        res.batching.abandon(batch, why)
+        raise
+    return handles
+
+
+def _run_batch(
+    res: Resources, call: CallContext, model: str, batch: Batch[Member], run_plan: RunPlan
+) -> Generator[Wait, Any, list[Handle]]:
+    members = [m for m in batch.members if m is batch.leader or m.alive]
+    total = sum(m.samples for m in members)
+    sample_shape = tuple(members[0].inputs[0].shape[1:])
+    plan = yield from res.plan_for(model, total, sample_shape)
+    _check_sliceable(model, plan, total)
+    with (yield from res.weights(plan)):
+        stream = call.inst.stream
+        for m in members[1:]:
+            stream.wait_event(m.ready)
+        gathered: dict[str, DeviceTensor] = {}
+        outputs: list[DeviceTensor] = []
+        try:
+            for i, name in enumerate(plan.inputs):
+                var = plan.variables[name]
+                t = gathered[name] = res.alloc(call.inst, var.torch_dtype, tuple(var.shape))
+                offset = 0
+                for m in members:
+                    src = m.inputs[i]
+                    res.runtime.copy_dtod_async(t.address + offset, src.address, src.nbytes, stream)
+                    offset += src.nbytes
+            result = yield from run_plan(res, call, model, plan, gathered)
+            outputs.extend(result.outputs[name] for name in plan.outputs)
+            per_member = _scatter(res, call, outputs, members)
+        finally:  # the batch's own buffers go back to the pool after its work, whatever happened
+            spent = {t.address for t in gathered.values()} | {t.address for t in outputs}
+            res.memory.pool.free_many(spent, stream)
+            res.memory.pool.fence(stream)
+        done = res.record(stream)
+    res.batching.batches_run += 1
+    res.batching.members_batched += len(members)
+    res.batching.sizes.append(total)
+    for m, tensors in zip(members, per_member, strict=True):
+        if m is not batch.leader and not m.alive:  # ended while the batch ran: nobody to own its rows
+            res.memory.pool.free_many([t.address for t in tensors], call.inst.stream)
+            continue
+        handles = [res.register(t, m.call.inv) for t in tensors]
+        if m is batch.leader:
+            mine = handles
+        else:
+            m.call.inst.stream.wait_event(done)  # its next call sees its rows written
+            m.result.set_result(handles)
+    return mine
+
+
+def _check_sliceable(model: str, plan: KernelPlan, total: int) -> None:
+    for name in plan.outputs:
+        var = plan.variables[name]
+        contiguous = tuple(var.strides) == contiguous_strides(tuple(var.shape))
+        own = plan.variables[plan.root(name)].kind != "weight"
+        if not var.shape or var.shape[0] != total or not contiguous or not own:
+            raise ProxyError(
+                f"model {model!r} cannot be batched: its output {name} of shape {list(var.shape)} "
+                f"(batch {total}) is not a contiguous buffer leading with the batch; set max_batch_size: 1 "
+                f"for its function"
+            )
+
+
+def _scatter(
+    res: Resources, call: CallContext, outputs: list[DeviceTensor], members: list[Member]
+) -> list[list[DeviceTensor]]:
+    """Each member's rows of every output, copied (on the leader's stream) into buffers of its own."""
+    stream = call.inst.stream
+    per_member: list[list[DeviceTensor]] = [[] for _ in members]
+    for out in outputs:
+        row_bytes = out.nbytes // int(out.shape[0])
+        offset = 0
+        for mine, m in zip(per_member, members, strict=True):
+            t = res.alloc(call.inst, out.dtype, (m.samples, *out.shape[1:]))
+            res.runtime.copy_dtod_async(t.address, out.address + offset, t.nbytes, stream)
+            offset += m.samples * row_bytes
+            mine.append(t)
+    return per_member

@@ -1,0 +1,96 @@
+"""Gathering concurrent inferences into batches: a pure policy (Triton's dynamic batcher is the model).
+
+An inference that may be batched joins the open batch of its *kind* (the proxy uses: function, model,
+per-sample input shapes and dtypes). The open batch closes when its samples reach the function's
+`max_samples`, or at its deadline: `max_delay_s` after its first member arrived. A member that would
+overflow the open batch closes it first and opens the next one (Triton does the same), so no batch
+ever holds more than `max_samples` samples and no member waits longer than `max_delay_s`.
+
+No clock, no threads, no device: `add` and `due` take `now` and return the batches they closed; the
+caller (the proxy's dispatcher) calls `due` from its timers and sleeps no longer than `next_deadline`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """One function's batching settings: samples per batch, and how long a batch stays open."""
+
+    max_samples: int
+    max_delay_s: float
+
+    def __post_init__(self) -> None:
+        if self.max_samples < 1 or self.max_delay_s < 0:
+            raise ValueError(f"batch limits need max_samples >= 1 and max_delay_s >= 0, got {self}")
+
+
+@dataclass(eq=False)
+class Batch(Generic[T]):
+    """Members gathered for one inference, in arrival order (the first is the one that runs it)."""
+
+    kind: Hashable
+    deadline: float
+    members: list[T] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)  # per member
+
+    @property
+    def total(self) -> int:
+        return sum(self.samples)
+
+    @property
+    def leader(self) -> T:
+        return self.members[0]
+
+
+class Gatherer(Generic[T]):
+    """The open batch of every kind (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._open: dict[Hashable, Batch[T]] = {}
+
+    def add(
+        self, kind: Hashable, member: T, samples: int, limits: Limits, now: float
+    ) -> tuple[Batch[T], list[Batch[T]]]:
+        """`member` (of `samples` samples) joins its kind's open batch. Returns the batch it joined and
+        the batches this arrival closed (the previous one it would overflow, its own once full)."""
+        if samples < 1:
+            raise ValueError(f"a member brings at least one sample, got {samples}")
+        closed: list[Batch[T]] = []
+        batch = self._open.get(kind)
+        if batch is not None and batch.total + samples > limits.max_samples:
+            closed.append(self._open.pop(kind))
+            batch = None
+        if batch is None:
+            batch = self._open[kind] = Batch(kind, now + limits.max_delay_s)
+        batch.members.append(member)
+        batch.samples.append(samples)
+        if batch.total >= limits.max_samples or now >= batch.deadline:
+            closed.append(self._open.pop(kind))
+        return batch, closed
+
+    def due(self, now: float) -> list[Batch[T]]:
+        """The open batches whose deadline has come, closed (earliest deadline first)."""
+        ready = sorted((b for b in self._open.values() if now >= b.deadline), key=lambda b: b.deadline)
+        for batch in ready:
+            del self._open[batch.kind]
+        return ready
+
+    def next_deadline(self) -> float | None:
+        return min((b.deadline for b in self._open.values()), default=None)
+
+    def discard(self, batch: Batch[T]) -> bool:
+        """Close `batch` unrun (its leader is gone); True if it was still open."""
+        if self._open.get(batch.kind) is batch:
+            del self._open[batch.kind]
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._open)

@@ -1,0 +1,174 @@
+"""Batched inference end to end (functional device, real bytes): concurrent invocations of a function
+with `max_batch_size` > 1 run their `infer` as one plan run, and each gets its own rows back."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import textwrap
+
+import pytest
+import torch
+
+from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy
+from streambox.api_proxy.errors import FunctionTimeout
+from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+
+HANDLERS = textwrap.dedent(
+    """
+    import os, time
+    from pathlib import Path
+    import torch
+    import streambox
+
+    def _meet(event):
+        # Every invocation of the group reaches its infer together (a barrier of files).
+        room = Path(event["room"])
+        (room / str(event["seed"])).touch()
+        deadline = time.monotonic() + 30
+        while len(list(room.iterdir())) < event["group"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    @streambox.function(models=["resnet18"])
+    def classify(ctx, event):
+        g = torch.Generator().manual_seed(event["seed"])
+        x = ctx.upload(torch.randn(1, 3, 32, 32, generator=g))
+        if "room" in event:
+            _meet(event)
+        time.sleep(event.get("late_s", 0.0))
+        (logits,) = ctx.infer("resnet18", x)
+        return {"logits": ctx.download(logits).flatten().tolist(), "shape": list(logits.shape)}
+    """
+)
+
+GROUP_DELAY_S = 2.0  # generous on a loaded machine: a full batch closes before it anyway
+FUNCTIONS = (
+    FunctionSpec("alone", "batch_handlers:classify", models=("resnet18",)),
+    FunctionSpec(  # closes when 3 have joined
+        "full", "batch_handlers:classify", models=("resnet18",), max_instances=3,
+        max_batch_size=3, max_queue_delay_s=GROUP_DELAY_S,
+    ),
+    FunctionSpec(  # 2 of at most 4 join: closes at the deadline
+        "timed", "batch_handlers:classify", models=("resnet18",), max_instances=4,
+        max_batch_size=4, max_queue_delay_s=0.5,
+    ),
+    FunctionSpec(  # a long delay: a call may end while its batch is open
+        "slow", "batch_handlers:classify", models=("resnet18",), max_instances=3,
+        max_batch_size=4, max_queue_delay_s=3.0,
+    ),
+    FunctionSpec(  # no queue delay: unbatched, whatever max_batch_size says
+        "nodelay", "batch_handlers:classify", models=("resnet18",), max_instances=2, max_batch_size=4,
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory) -> ProxyProcess:
+    root = tmp_path_factory.mktemp("batched")
+    (root / "batch_handlers.py").write_text(HANDLERS)
+    config = ProxyConfig(
+        workflow="wfbatch", functions=FUNCTIONS, sys_path=(str(root),), state_dir=str(root / "state")
+    )
+    started = launch_proxy(config)
+    yield started
+    started.stop()
+
+
+def _eager(zoo_model, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        return zoo_model("resnet18")(torch.randn(1, 3, 32, 32, generator=g)).flatten()
+
+
+def _together(proxy: ProxyProcess, function: str, seeds: list[int], room) -> list[dict]:
+    room.mkdir()
+    events = [{"seed": s, "room": str(room), "group": len(seeds)} for s in seeds]
+    clients = [ProxyClient(proxy.address) for _ in seeds]
+    with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
+        return list(
+            pool.map(lambda ce: ce[0].invoke(function, ce[1], request_id=f"r{ce[1]['seed']}")["output"],
+                     zip(clients, events, strict=True))
+        )
+
+
+@pytest.mark.parametrize(("function", "seeds"), [("full", [11, 12, 13]), ("timed", [21, 22])])
+def test_concurrent_infers_run_as_one_batch_with_each_callers_rows(
+    proxy, function, seeds, zoo_model, tmp_path, settled
+):
+    stats = settled(proxy.client, lambda s: s["buffers"] == 0)
+    before, pool_bytes = stats["batching"], stats["pool"]["allocated_bytes"]
+    outputs = _together(proxy, function, seeds, tmp_path / "room")
+    after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] == pool_bytes)
+    assert after["batching"]["batches"] == before["batches"] + 1  # one plan run for all of them
+    assert after["batching"]["members"] == before["members"] + len(seeds)
+    assert after["batching"]["sizes"][-1] == len(seeds)
+    alone = [proxy.client.invoke("alone", {"seed": s})["output"]["logits"] for s in seeds]
+    for seed, out, ref in zip(seeds, outputs, alone, strict=True):
+        assert out["shape"] == [1, 1000]
+        got = torch.tensor(out["logits"])
+        assert torch.allclose(got, torch.tensor(ref), atol=1e-4), seed  # the unbatched result
+        assert torch.allclose(got, _eager(zoo_model, seed), atol=1e-4), seed  # eager torch's
+    # Every caller's output went with its request; the batch's gathered inputs and whole outputs too.
+    assert (after["buffers"], after["pool"]["allocated_bytes"]) == (0, pool_bytes)
+
+
+def test_a_call_no_other_joins_runs_its_own_plan_after_the_delay(proxy, zoo_model):
+    before = proxy.client.stats()["batching"]
+    out = proxy.client.invoke("timed", {"seed": 41})["output"]
+    after = proxy.client.stats()["batching"]
+    assert (after["batches"], after["alone"]) == (before["batches"], before["alone"] + 1)
+    assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, 41), atol=1e-4)
+
+
+def test_a_call_that_ends_while_its_batch_is_open_is_left_out(proxy, zoo_model, tmp_path, settled):
+    stats = settled(proxy.client, lambda s: s["buffers"] == 0)
+    before, pool_bytes = stats["batching"], stats["pool"]["allocated_bytes"]
+    room = tmp_path / "room"
+    room.mkdir()
+    events = [{"seed": s, "room": str(room), "group": 3} for s in (51, 52, 53)]
+    events[2]["late_s"] = 0.3  # joins after the others: a follower, whose request times out
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [
+            pool.submit(ProxyClient(proxy.address).invoke, "slow", e, f"r{e['seed']}", timeout_s=t)
+            for e, t in zip(events, (None, None, 1.5), strict=True)
+        ]
+        with pytest.raises(FunctionTimeout):
+            futures[2].result()
+        outputs = [f.result()["output"] for f in futures[:2]]
+    after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] == pool_bytes)
+    assert after["batching"]["batches"] == before["batches"] + 1
+    assert after["batching"]["sizes"][-1] == 2  # the ended call's rows were not gathered
+    for seed, out in zip((51, 52), outputs, strict=True):
+        assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
+    assert (after["buffers"], after["pool"]["allocated_bytes"]) == (0, pool_bytes)
+
+
+def test_without_a_queue_delay_infers_run_alone(proxy, zoo_model, tmp_path):
+    before = proxy.client.stats()["batching"]["batches"]
+    outputs = _together(proxy, "nodelay", [31, 32], tmp_path / "room")
+    assert proxy.client.stats()["batching"]["batches"] == before
+    for seed, out in zip([31, 32], outputs, strict=True):
+        assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
+
+
+def test_which_functions_batch_which_calls_join_and_which_plans_deploy_prepares():
+    from streambox.api_proxy.batched_infer import batch_sizes, joinable, limits_of
+    from streambox.api_proxy.device_tensor import DeviceTensor
+    from streambox.api_proxy.handles import contiguous_strides
+
+    def tensor(*shape: int, strides: tuple[int, ...] | None = None) -> DeviceTensor:
+        return DeviceTensor(0x1000, torch.float32, shape, strides or contiguous_strides(shape), 4)
+
+    plain = FunctionSpec("f", "m:f")
+    assert limits_of(plain) is None and batch_sizes(plain) == []
+    assert limits_of(FunctionSpec("f", "m:f", max_batch_size=4)) is None  # no delay: no batching
+    spec = FunctionSpec("f", "m:f", max_batch_size=4, max_queue_delay_s=0.005)
+    limits = limits_of(spec)
+    assert limits is not None and (limits.max_samples, limits.max_delay_s) == (4, 0.005)
+    assert batch_sizes(spec) == [2, 3, 4]
+    assert batch_sizes(FunctionSpec("f", "m:f", batch=2, max_batch_size=7, max_queue_delay_s=1.0)) == [4, 6]
+    assert joinable(limits, [tensor(1, 3, 8, 8)])
+    assert joinable(limits, [tensor(2, 3), tensor(2, 5)])
+    assert not joinable(limits, [tensor(4, 3)])  # fills a batch alone
+    assert not joinable(limits, [tensor(1, 3), tensor(2, 3)])  # no common batch dimension
+    assert not joinable(limits, [tensor(2, 3, strides=(1, 2))])  # not contiguous
+    assert not joinable(limits, [tensor()])  # a scalar has no batch dimension

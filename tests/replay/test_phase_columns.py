@@ -1,0 +1,47 @@
+"""A streambox replay writes each request's phases (`streambox.phases`) into requests.csv: one column
+per phase, in ms, adding up to the system's own latency of the request; the first request, which
+starts the function instances, has a cold start phase, the later warm ones none."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from streambox.replay import run_replay
+from streambox.replay.metrics import PHASE_COLUMNS
+
+
+def test_requests_csv_has_phases_that_add_up(tmp_path):
+    result = run_replay(
+        system="streambox",
+        out=tmp_path / "run",
+        system_options={"keep_alive_s": "60", "device_mode": "timed"},
+        workflow="image-processing",
+        minutes=30,
+        minute_seconds=0.05,
+        max_requests=3,
+        sample_interval_s=0.1,
+        progress=False,
+    )
+    assert result.summary["requests"]["by_status"] == {"ok": 3}, result.summary
+    with (result.run_dir / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert PHASE_COLUMNS == (
+        "cold_start_ms",
+        "queue_ms",
+        "model_load_ms",
+        "compute_ms",
+        "comm_ms",
+        "other_ms",
+    )
+    for row in rows:
+        phases = {column: float(row[column]) for column in PHASE_COLUMNS}
+        # each column is rounded to 1 µs; the latency to 1 µs
+        assert sum(phases.values()) == pytest.approx(float(row["target_latency_s"]) * 1e3, abs=0.05)
+        assert all(ms >= -1.0 for ms in phases.values()), phases  # `other` is not overcounted
+        assert phases["compute_ms"] > 0
+    first, *later = sorted(rows, key=lambda r: float(r["sent_s"]))
+    assert first["cold_start"] == "True" and float(first["cold_start_ms"]) > 0
+    for row in later:
+        assert (row["cold_start"] == "True") == (float(row["cold_start_ms"]) > 0), row
