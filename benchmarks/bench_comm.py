@@ -8,6 +8,14 @@ CUDA-IPC style: export + open + close of an IPC handle per transfer, *modelled* 
 `streambox.comm.baselines.CudaIpcModel`). Device copies follow the emulated link model (V100: PCIe
 12 GB/s pinned, 6 GB/s pageable; NVLink 150 GB/s); Redis, the Python store and host copies are real.
 
+Part 1b (Table 2's communication row, paper Fig. 16 left): a PUT and its GET through each system's
+own code, producer and consumer on one emulated V100 in timed mode (copies and kernels take their
+modelled time; Python, the stores, Redis, the handle registry are real): StreamBox's store (same
+GPU: the address is handed over), Astraea's `IpcHandleStore` (the producer keeps the tensor; the
+consumer, another runtime, opens the handle and copies device-to-device; export/open/close are
+`CudaIpcModel`'s modelled constants), INFless's `RedisStore` (GPU -> host -> Redis -> host -> GPU,
+the Lua scripts of the instances). Ratios are StreamBox's time over each baseline's, same run.
+
 Part 2 (paper Fig. 16 right): per round, a producer PUTs K items on GPU 0; a competing function on
 GPU 0 then grows layer by layer to fill the GPU and releases; the consumer GETs the items on GPU 0.
 Communication overhead = PUT + GET time + the competitor's stall while the store gives memory back
@@ -38,6 +46,8 @@ from streambox.comm.baselines import CudaIpcModel, FuncIpc, RedisServer, RedisUn
 from streambox.device import OutOfDeviceMemory  # noqa: E402
 from streambox.device.emulated import EmulatedBackend  # noqa: E402
 from streambox.device.specs import V100_16GB, MiB  # noqa: E402
+from streambox.workflows.monolithic_instance import RedisStore  # noqa: E402
+from streambox.workflows.monolithic_ipc import HandleRegistry, IpcHandleStore  # noqa: E402
 
 MB = 1_000_000
 SIZES_MB = (1, 16, 125)
@@ -161,6 +171,84 @@ def print_latency(rows: list[dict], redis_note: str) -> None:
         cols += ["Func-IPC PUT+GET ms (baseline)", "same-GPU / Func-IPC"]
     print_table(f"Hand-over PUT + GET, median ({EMULATED})", cols, table)
     print(f"same-GPU GET, 125 MB vs 1 MB: {flat:.2f}x (size-independent when ~1)")
+
+
+# -- part 1b: each system's data path through its own code ------------------------------------------
+def data_paths(redis: RedisServer | None, repeats: int, ipc_repeats: int) -> list[dict]:
+    spec = V100_16GB.with_overrides(context_create_s=0.0, context_memory=0)
+    rows = []
+    with tempfile.TemporaryDirectory() as state:
+        backend = EmulatedBackend(spec=spec, count=1, state_dir=Path(state) / "state", timeline=False,
+                                  mode="timed")
+        # Producer and consumer: two instances' runtimes on one GPU (StreamBox: one proxy runtime).
+        rts = [backend.open_runtime(0), backend.open_runtime(0)]
+        allocs = [StreamPoolAllocator(rt) for rt in rts]
+        streams = [rt.create_stream() for rt in rts]
+        store = CommStore({0: rts[0]}, {0: allocs[0]}, idle={0: 8 << 30})
+        registry = HandleRegistry.create(Path(state) / "handles")
+        pairs = list(zip(rts, allocs, strict=True))
+        handles = [IpcHandleStore(registry, "bench", rt, alloc) for rt, alloc in pairs]
+        redis_stores = ([RedisStore(redis.client(), "bench", rt, alloc) for rt, alloc in pairs]
+                        if redis is not None else None)
+        counter = iter(range(1 << 30))
+
+        def produced(nbytes: int) -> tuple[DeviceTensor, object]:
+            address = allocs[0].allocate(nbytes, streams[0])
+            ready = rts[0].create_event(timing=False)
+            ready.record(streams[0])
+            return DeviceTensor(address, torch.uint8, (nbytes,), (1,), nbytes), ready
+
+        for size_mb in SIZES_MB:
+            n = size_mb * MB
+            row: dict = {"size_mb": size_mb}
+
+            def streambox(n=n) -> None:
+                tensor, _ = produced(n)
+                key = f"sb/{next(counter)}"
+                store.put(key, tensor, device=0, consumers=1, stream=streams[0])
+                store.get(key, device=0).release()
+
+            def instances(pair: list, n: int = n) -> None:  # producer instance -> consumer instance
+                tensor, ready = produced(n)
+                key = f"bench/r/{next(counter)}"
+                pair[0].put(key, tensor, ready, "r", consumers=1)
+                got, _ = pair[1].get(key, 5.0, streams[1])
+                allocs[1].free(got.address, streams[1])
+
+            row["streambox_s"] = _timed(streambox, repeats, lambda _: store.synchronize())
+            row["astraea_s"] = _timed(lambda: instances(handles), repeats,
+                                      lambda _: handles[0].reap())  # the producer frees off the path
+            row["astraea_modelled_s"] = (CudaIpcModel().export_s + CudaIpcModel().open_s
+                                         + CudaIpcModel().close_s + n / spec.link.device_bandwidth)
+            if redis_stores is not None:
+                row["infless_s"] = _timed(lambda: instances(redis_stores), ipc_repeats)
+            rows.append(row)
+        for s in (*handles, *(redis_stores or ())):
+            s.close()
+        store.close()
+        for stream in streams:
+            stream.synchronize()
+            stream.destroy()
+        backend.close()
+    return rows
+
+
+def print_data_paths(rows: list[dict]) -> None:
+    have_redis = all("infless_s" in r for r in rows)
+    table = []
+    for r in rows:
+        line = [f"{r['size_mb']} MB", _us(r["streambox_s"]), _us(r["astraea_s"]),
+                _us(r["astraea_modelled_s"]), _ratio(r["streambox_s"] / r["astraea_s"])]
+        if have_redis:
+            line += [_ms(r["infless_s"]), _ratio(r["streambox_s"] / r["infless_s"]),
+                     _ratio(r["astraea_s"] / r["infless_s"])]
+        table.append(line)
+    cols = ["size", "StreamBox PUT+GET us", "Astraea PUT+GET us (CUDA-IPC, measured)",
+            "of which modelled us (export+open+close, D2D copy)", "StreamBox / Astraea"]
+    if have_redis:
+        cols += ["INFless PUT+GET ms (Redis)", "StreamBox / INFless", "Astraea / INFless"]
+    print_table(f"Each system's data path through its own code, median ({EMULATED}, timed; "
+                f"{CudaIpcModel().label})", cols, table)
 
 
 # -- part 2: pressure ---------------------------------------------------------------------------
@@ -460,6 +548,8 @@ def main() -> int:
     try:
         lat = latency(redis, repeats, ipc_repeats)
         print_latency(lat, redis_note)
+        paths = data_paths(redis, repeats, ipc_repeats)
+        print_data_paths(paths)
         setup = PressureSetup(dilation=args.dilation)
         rows = [pressure(pa, am, rounds, setup) for pa, am in
                 ((False, False), (True, False), (False, True), (True, True))]
@@ -473,7 +563,7 @@ def main() -> int:
                {"quick": args.quick, "repeats": repeats, "ipc_repeats": ipc_repeats, "rounds": rounds,
                 "device": EMULATED, "cuda_ipc_model": CudaIpcModel().label,
                 "pressure_setup": PressureSetup(dilation=args.dilation).__dict__},
-               {"latency": lat, "pressure": rows, "func_ipc_pressure": ipc_row})
+               {"latency": lat, "data_paths": paths, "pressure": rows, "func_ipc_pressure": ipc_row})
     return 0
 
 

@@ -206,15 +206,15 @@ class CudaIpcModel:
 
     def get(self, tensor: DeviceTensorLike) -> int:
         """The consumer's address for the producer's tensor (the same memory), after export + open."""
-        _sleep(self.export_s + self.open_s)
+        busy_wait(self.export_s + self.open_s)
         return tensor.address
 
     def release(self) -> None:
-        _sleep(self.close_s)
+        busy_wait(self.close_s)
 
 
-def _sleep(seconds: float) -> None:
-    """Busy-wait: time.sleep cannot resolve tens of microseconds reliably."""
+def busy_wait(seconds: float) -> None:
+    """A modelled host-side cost, busy-waited: time.sleep cannot resolve tens of microseconds reliably."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass

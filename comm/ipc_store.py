@@ -38,8 +38,7 @@ import torch
 from streambox.device import Event, OutOfDeviceMemory, Runtime, Stream
 
 from . import quota
-from .baselines import CudaIpcModel
-from .baselines import _sleep as busy_wait
+from .baselines import CudaIpcModel, busy_wait
 from .config import StoreConfig
 from .errors import CommError, GetTimeout, KeyExists, StoreClosed
 from .handle import DeviceTensorLike, Handle, StoreStats, Transport, location_name, span_bytes

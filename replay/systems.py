@@ -1,5 +1,5 @@
-"""The systems under test (the paper's Table 2): `streambox`, `stream-only` and `infless` (formerly
-`monolithic`), each running the real workflow.
+"""The systems under test (the paper's Table 2): `streambox`, `stream-only`, `infless` (formerly
+`monolithic`) and `astraea`, each running the real workflow.
 
 All run the same workflow (a shipped example such as Traffic, or a YAML file) through the same
 workflow engine on the same arrivals; only the invoker below the engine differs:
@@ -12,6 +12,9 @@ workflow engine on the same arrivals; only the invoker below the engine differs:
   share of the compute units (`gpu_percent`), its own model copy, pre-warmed, keep-alive,
   intermediate data through Redis (`workflows.monolithic.MonolithicInvoker`). `monolithic` is its
   old name, kept for one release with a deprecation line.
+- `astraea`: infless's instances (same invoker, same start-up, same MPS shares), but data passed by
+  CUDA-IPC handle with the intermediate data cached in the producer's GPU memory until its consumers
+  are done or its request ends (`workflows.monolithic_ipc`; open/close costs modelled, no Redis).
 
 Each request is a seeded synthetic input of the workflow (`workflows.examples.sample_event`), the
 same for every system. The trace decides when requests come, not what they compute.
@@ -30,7 +33,7 @@ Options (`--set KEY=VALUE`, or the same names as flags: `--pa off`), common to a
   the device     `backend`, `device_preset`, `gpus`, `device_mode` (default `timed` here).
 Proxy systems also take the mechanisms (`pool_mode`, `io_daemon`, `rz`, `pb`, `bt`, `pa`, `am`,
 `recycler`, `weights_keep_alive_s`) and `completion`, `channel` (docs/api_proxy.md); `infless`
-takes `prewarm` (instances per function started at deploy, default 1) and `gpu_percent`.
+and `astraea` take `prewarm` (instances per function started at deploy, default 1) and `gpu_percent`.
 config.json's `system_config` holds the resolved `settings` of the run.
 """
 
@@ -57,6 +60,10 @@ from .target import Outcome, SystemRequest
 #: The paper's keep-alive (10 minutes of trace time).
 PAPER_KEEP_ALIVE_S = 600.0
 COMMON_OPTIONS = ("inputs", "keep_alive_s", "variants")
+#: What deploying does before the first request, said in every run's settings because it differs:
+#: the proxies load the models at deploy but fork their function instances at the first request
+#: (those requests are cold starts); the per-instance systems start `prewarm` instances at deploy.
+PROXY_STARTUP = "deploy loads the models into the proxy; function instances fork at their first request"
 #: The device a replay runs on unless told otherwise: timed, so that GPU time is modelled.
 REPLAY_DEVICE_DEFAULTS = {"device_mode": "timed"}
 
@@ -266,6 +273,7 @@ def _proxy_settings(system: str) -> Callable[[WorkflowOptions, dict[str, str]], 
         keep = parsed.get("weights_keep_alive_s")
         return {
             **resolved,
+            "startup": PROXY_STARTUP,
             "weights_keep_alive_s": options.keep_alive_s if keep is None else keep,
             "completion": parsed.get("completion") or env_default("completion") or "poll",
             "channel": parsed.get("channel") or env_default("channel") or "shm",
@@ -300,11 +308,12 @@ def make_stream_only_target(request: SystemRequest) -> WorkflowTarget:
     )
 
 
-# -- infless (and its old name, monolithic): a process, a runtime and an MPS share per instance --------
+# -- infless (and its old name, monolithic) and astraea: a process, a runtime and an MPS share per --
+# -- instance; data through Redis (infless) or by CUDA-IPC handle (astraea) -------------------------
 
 
 class MonolithicOptions(SettingsModel):
-    """`infless`'s own options (it has no proxy, so none of the mechanisms)."""
+    """`infless`'s and `astraea`'s own options (no proxy, so none of the mechanisms)."""
 
     # The paper warms the baselines up ("the significant latency of cold start could cause all
     # requests to time out", section 9), as the proxies load their models at deploy: one instance
@@ -315,29 +324,42 @@ class MonolithicOptions(SettingsModel):
     )
 
 
-def _monolithic_options(rest: Mapping[str, str]) -> MonolithicOptions:
+def _monolithic_options(system: str, rest: Mapping[str, str]) -> MonolithicOptions:
     unknown = sorted(set(rest) - set(MonolithicOptions.model_fields))
     if unknown:
         known = (*MonolithicOptions.model_fields, *COMMON_OPTIONS, *DEVICE_FIELDS)
-        raise ValueError(f"infless: unknown options {unknown}; known: {', '.join(known)}")
-    return build(MonolithicOptions, "infless", **rest)
+        raise ValueError(f"{system}: unknown options {unknown}; known: {', '.join(known)}")
+    return build(MonolithicOptions, system, **rest)
 
 
-def _monolithic_invoker(config: Config, options: WorkflowOptions, rest: dict[str, str]) -> Invoker:
-    from streambox.workflows.monolithic import MonolithicInvoker
+def _monolithic_invoker(
+    system: str, data_path: str
+) -> Callable[[Config, WorkflowOptions, dict[str, str]], Invoker]:
+    def make(config: Config, options: WorkflowOptions, rest: dict[str, str]) -> Invoker:
+        from streambox.workflows.monolithic import MonolithicInvoker
 
-    own = _monolithic_options(rest)
-    return MonolithicInvoker(
-        config,
-        keep_alive_s=options.keep_alive_s,
-        prewarm=own.prewarm,
-        model_shapes=options.inputs,
-        gpu_percent=own.gpu_percent,
-    )
+        own = _monolithic_options(system, rest)
+        return MonolithicInvoker(
+            config,
+            keep_alive_s=options.keep_alive_s,
+            prewarm=own.prewarm,
+            model_shapes=options.inputs,
+            gpu_percent=own.gpu_percent,
+            data_path=data_path,
+        )
+
+    return make
 
 
-def _monolithic_settings(options: WorkflowOptions, rest: dict[str, str]) -> dict[str, Any]:
-    return {"system": "infless", **_monolithic_options(rest).model_dump()}
+def _monolithic_settings(
+    system: str, data_path: str
+) -> Callable[[WorkflowOptions, dict[str, str]], dict[str, Any]]:
+    def resolve(options: WorkflowOptions, rest: dict[str, str]) -> dict[str, Any]:
+        own = _monolithic_options(system, rest)
+        startup = f"deploy starts {own.prewarm} instance(s) per function: process, runtime and models"
+        return {"system": system, "data_path": data_path, "startup": startup, **own.model_dump()}
+
+    return resolve
 
 
 def _monolithic_memory(invoker: Invoker) -> dict[str, float]:
@@ -346,8 +368,22 @@ def _monolithic_memory(invoker: Invoker) -> dict[str, float]:
     return {k: float(v) for k, v in parts.items()}
 
 
+def _per_instance_target(name: str, request: SystemRequest, system: str, data_path: str) -> WorkflowTarget:
+    return WorkflowTarget(
+        name,
+        request,
+        _monolithic_invoker(system, data_path),
+        _monolithic_memory,
+        _monolithic_settings(system, data_path),
+    )
+
+
 def make_infless_target(request: SystemRequest) -> WorkflowTarget:
-    return WorkflowTarget("infless", request, _monolithic_invoker, _monolithic_memory, _monolithic_settings)
+    return _per_instance_target("infless", request, "infless", "redis")
+
+
+def make_astraea_target(request: SystemRequest) -> WorkflowTarget:
+    return _per_instance_target("astraea", request, "astraea", "cuda-ipc")
 
 
 #: `monolithic` is `infless` under its old name, kept for one release.
@@ -364,6 +400,4 @@ def make_monolithic_target(request: SystemRequest) -> WorkflowTarget:
     if "monolithic" not in _warned:
         _warned.add("monolithic")
         print(f"warning: {MONOLITHIC_DEPRECATED}", file=sys.stderr)
-    return WorkflowTarget(
-        "monolithic", request, _monolithic_invoker, _monolithic_memory, _monolithic_settings
-    )
+    return _per_instance_target("monolithic", request, "infless", "redis")

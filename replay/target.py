@@ -159,6 +159,12 @@ register_system(
     "its own model copy, pre-warmed, keep-alive, data between functions through Redis (Func-IPC)",
 )
 register_system(
+    "astraea",
+    "streambox.replay.systems:make_astraea_target",
+    "Astraea (Table 2): infless's instances (a process, a runtime and an MPS share each, pre-warmed), "
+    "data by CUDA-IPC handle, intermediate data cached in the producer's GPU memory (open/close modelled)",
+)
+register_system(
     "monolithic",
     "streambox.replay.systems:make_monolithic_target",
     "deprecated name of infless (kept for one release)",

@@ -29,6 +29,10 @@ against (INFless-like; paper section 2 and 9).
   takes the last one deletes the key, and a GET that finds the consumers all taken keeps waiting (as
   with `LocalStore`, it times out). `ttl` becomes a Redis expiry of `K` and `K#meta`. Unlike run-local,
   every GET is a private copy in the consumer's runtime, freed at the end of its invocation.
+- **Or CUDA-IPC handles** (`data_path="cuda-ipc"`, the replay's `astraea`): no Redis; the producer
+  keeps the tensor in its own GPU memory, consumers open a handle and copy it device-to-device, the
+  invoker's handle registry (a shared directory) holds the keys and `end_request` marks the request
+  ended (`monolithic_ipc.py`).
 - **Failures**: a handler that raises fails its call only (the instance stays warm); an instance that
   dies fails its call and is discarded (the device ledger reclaims its runtime when the process is
   gone); a call past its time limit is answered with `InvocationTimeout` and its instance is killed.
@@ -62,12 +66,13 @@ from pathlib import Path
 from typing import Any
 
 from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, InstancePool
-from streambox.comm.baselines import RedisServer, RedisUnavailable
+from streambox.comm.baselines import CudaIpcModel, RedisServer, RedisUnavailable
 from streambox.config import Config
 from streambox.phases import COLD_START, QUEUE
 
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
 from .local import _json_copy
+from .monolithic_ipc import HandleRegistry
 from .spec import WorkflowSpec
 
 SYSTEM = "monolithic"
@@ -78,6 +83,11 @@ STOP_GRACE_S = 5.0
 LAUNCH_INSTANCE = "import sys; from streambox.workflows.monolithic_instance import main; sys.exit(main())"
 #: The parts `memory_breakdown` sums over live instances (each instance reports them).
 MEMORY_PARTS = ("context_bytes", "weights_bytes", "pool_reserved_bytes", "pool_used_bytes")
+#: What `memory_breakdown` sums too for astraea's data path (`monolithic_ipc.py`).
+CUDA_IPC_PARTS = ("ipc_cached_bytes", "ipc_cached_peak_bytes", "ipc_exported", "ipc_opened")
+#: How intermediate data goes between instances: INFless's Func-IPC (Redis) or Astraea's CUDA-IPC
+#: handles (`monolithic_ipc.py`), by the system name each one is replayed as.
+DATA_PATHS = {"redis": "infless", "cuda-ipc": "astraea"}
 
 _HEADER = struct.Struct("!I")
 
@@ -182,7 +192,10 @@ class MonolithicInvoker:
         start_timeout_s: float = 300.0,
         redis_executable: str | None = None,
         gpu_percent: int | None = None,
+        data_path: str = "redis",
     ) -> None:
+        if data_path not in DATA_PATHS:
+            raise ValueError(f"data_path must be one of {', '.join(DATA_PATHS)}, got {data_path!r}")
         if keep_alive_s < 0:
             raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
         if prewarm < 0:
@@ -196,6 +209,7 @@ class MonolithicInvoker:
         if gpu_percent is not None and not 1 <= gpu_percent <= 100:
             raise ValueError(f"gpu_percent must be from 1 to 100, got {gpu_percent}")
         self.gpu_percent = gpu_percent
+        self.data_path = data_path
         self.start_timeout_s = start_timeout_s
         self.cold_starts = 0  # invocations that had to start their instance
         self.instance_starts = 0  # instances started, prewarmed ones included
@@ -204,6 +218,7 @@ class MonolithicInvoker:
         self._redis: RedisServer | None = None
         self._client: Any = None  # redis.asyncio.Redis of this process (end_request)
         self._end_script: Any = None
+        self._registry: HandleRegistry | None = None  # astraea: the shared directory of IPC handles
         self._workflows: dict[str, _Workflow] = {}
         self._ids = itertools.count(1)
         self._dir: Path | None = None  # the instances' working directory
@@ -225,7 +240,7 @@ class MonolithicInvoker:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "system": SYSTEM,
+            "system": SYSTEM if self.data_path == "redis" else DATA_PATHS[self.data_path],
             "invoker": type(self).__name__,
             "keep_alive_s": self.keep_alive_s,
             "prewarm": self.prewarm,
@@ -234,8 +249,9 @@ class MonolithicInvoker:
             "device_preset": self.config.device_preset,
             "gpus": self.config.gpus,
             "gpu_percent": self.gpu_percent,
-            "func_ipc": "redis",
+            "func_ipc": self.data_path,
             "redis_version": self.redis_version,
+            "cuda_ipc_model": CudaIpcModel().label if self.data_path == "cuda-ipc" else None,
         }
 
     def share(self, spec: WorkflowSpec) -> int:
@@ -249,7 +265,7 @@ class MonolithicInvoker:
             raise RuntimeError("the invoker is closed")
         if spec.name in self._workflows:
             return  # deploying again replaces nothing
-        await self._ensure_redis()
+        await self._ensure_data_path()
         functions = {
             name: _Function(
                 name,
@@ -313,6 +329,9 @@ class MonolithicInvoker:
         return InvocationResult(reply["output"], cold, time.perf_counter() - started, phases)
 
     async def end_request(self, workflow: str, request_id: str) -> None:
+        if self._registry is not None:  # astraea: the producers free the request's cached data
+            self._registry.end_request(workflow, request_id)
+            return
         if self._end_script is None:
             return
         await self._end_script(
@@ -358,13 +377,16 @@ class MonolithicInvoker:
         """Summed over live instances, as they reported last (callable from any thread):
         `context_bytes` (one runtime each), `weights_bytes` (each instance's own model copies),
         `pool_reserved_bytes` / `pool_used_bytes` (their caching allocators), `instances`,
-        `busy_instances`, `mps_clients` (instances whose runtime holds an MPS share)."""
+        `busy_instances`, `mps_clients` (instances whose runtime holds an MPS share); astraea's
+        `ipc_cached_bytes` (intermediate data held in producers' GPU memory), its peak per instance
+        and the handles exported / opened (`CUDA_IPC_PARTS`)."""
         with self._lock:
             reports = list(self._reports.items())
             busy = len(self._busy & self._reports.keys())
-        totals = {part: 0.0 for part in MEMORY_PARTS}
+        parts = (*MEMORY_PARTS, *CUDA_IPC_PARTS) if self.data_path == "cuda-ipc" else MEMORY_PARTS
+        totals = {part: 0.0 for part in parts}
         for _, report in reports:
-            for part in MEMORY_PARTS:
+            for part in totals:
                 totals[part] += float(report.get(part, 0))
         totals["instances"] = float(len(reports))
         totals["mps_clients"] = float(sum(1 for _, r in reports if r.get("gpu_percent")))
@@ -407,9 +429,13 @@ class MonolithicInvoker:
         """`redis.Redis` keyword arguments of the baseline's server (its password included)."""
         return self._redis.connection() if self._redis is not None else None
 
-    # -- Redis -----------------------------------------------------------------------------------
-    async def _ensure_redis(self) -> None:
-        if self._redis is not None:
+    # -- the data path: Redis (infless) or the handle registry (astraea) --------------------------
+    async def _ensure_data_path(self) -> None:
+        if self._dir is not None:
+            return
+        if self.data_path == "cuda-ipc":
+            self._dir = Path(tempfile.mkdtemp(prefix="sbx-astraea-"))
+            self._registry = HandleRegistry.create(self._dir / "handles")
             return
         server = RedisServer(self._redis_executable)
         try:
@@ -501,7 +527,7 @@ class MonolithicInvoker:
     async def _start(self, wf: _Workflow, fn: _Function, instance_id: int) -> _Instance:
         """Start an instance process and wait until it has its runtime and models. On failure the
         pool slot is freed and the call fails with why."""
-        assert self._dir is not None and self._redis is not None
+        assert self._dir is not None
         spec = wf.spec
         one = spec.model_copy(
             update={"functions": {fn.name: spec.functions[fn.name]}, "edges": [], "output": None}
@@ -520,8 +546,7 @@ class MonolithicInvoker:
                 "state_dir": str(self.config.state_dir) if self.config.state_dir is not None else None,
             },
             "model_shapes": self.model_shapes,
-            "redis_port": self._redis.port,
-            "redis_password_file": str(self._redis.password_file),  # the password is never on argv
+            "data_path": self._data_path_args(),
             "gpu_percent": self.share(spec),
         }
         ours, theirs = socket.socketpair()
@@ -583,6 +608,17 @@ class MonolithicInvoker:
             await self._stop(fn, instance, kill=True)
             raise InvocationError(fn.name, "InvokerClosed", "the invoker closed while the instance started")
         return instance
+
+    def _data_path_args(self) -> dict[str, Any]:
+        """How an instance reaches the data path (the Redis password is never on argv: a file)."""
+        if self._registry is not None:
+            return {"kind": "cuda-ipc", "registry": str(self._registry.root)}
+        assert self._redis is not None
+        return {
+            "kind": "redis",
+            "redis_port": self._redis.port,
+            "redis_password_file": str(self._redis.password_file),
+        }
 
     async def _call(
         self, fn: _Function, instance: _Instance, message: dict[str, Any], limit: float
@@ -673,6 +709,8 @@ class MonolithicInvoker:
                         instance = fn.instances.get(instance_id)  # type: ignore[arg-type]
                         if instance is not None and self._detach(fn, instance):
                             self._spawn(self._terminate(instance, kill=False))
+            if self._registry is not None:  # as Redis expires its ended markers
+                self._registry.forget_ended(ENDED_TTL_S)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

@@ -19,10 +19,12 @@ import asyncio
 import contextlib
 import json
 import os
+import select
 import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -47,6 +49,7 @@ from .local import (
     _LocalWorkflow,
 )
 from .monolithic import decode_body, encode_message, ended_key, meta_key, request_set_key
+from .monolithic_ipc import REAP_PERIOD_S, HandleRegistry, IpcHandleStore
 from .spec import WorkflowSpec
 
 # KEYS: K#meta, ended marker. Whether a put may go ahead.
@@ -90,6 +93,7 @@ redis.call('SREM', set, ARGV[1])
 return 1
 """
 GET_POLL_MAX_S = 0.01  # a waiting GET polls Redis at most this far apart
+IDLE_PERIOD_S = REAP_PERIOD_S  # an idle instance's housekeeping period
 
 
 def _weights(plan: KernelPlan) -> list[tuple[str, int]]:
@@ -192,8 +196,18 @@ class RedisStore:
             self.client.close()
 
 
-def _weights(plan: KernelPlan) -> list[tuple[str, int]]:
-    return [(v.name, v.nbytes) for v in plan.vars_of_kind("weight")]
+def _open_store(
+    data_path: dict[str, Any], workflow: str, runtime: Runtime, allocator: Allocator
+) -> RedisStore | IpcHandleStore:
+    """The instance's keys: Redis (INFless's Func-IPC) or CUDA-IPC handles (Astraea)."""
+    if data_path["kind"] == "cuda-ipc":
+        return IpcHandleStore(HandleRegistry(Path(data_path["registry"])), workflow, runtime, allocator)
+    import redis
+
+    password = Path(data_path["redis_password_file"]).read_text()
+    client = redis.Redis(host="127.0.0.1", port=int(data_path["redis_port"]), password=password)
+    client.ping()
+    return RedisStore(client, workflow, runtime, allocator)
 
 
 class _InstanceWorkflow(_LocalWorkflow):
@@ -201,11 +215,11 @@ class _InstanceWorkflow(_LocalWorkflow):
     other input shapes share the weights already resident (one copy of each model per instance)."""
 
     def __init__(
-        self, invoker: LocalInvoker, spec: WorkflowSpec, handlers: dict[str, Any], redis: Any
+        self, invoker: LocalInvoker, spec: WorkflowSpec, handlers: dict[str, Any], data_path: dict[str, Any]
     ) -> None:
         super().__init__(invoker, spec, handlers)
         self.store.close()  # run-local's in-process store: not used here
-        self.store = RedisStore(redis, spec.name, self.runtime, self.allocator)  # type: ignore[assignment]
+        self.store = _open_store(data_path, spec.name, self.runtime, self.allocator)  # type: ignore[assignment]
 
     def model(self, name: str, batch: int, shape: tuple[int, ...]) -> DeviceModel:
         key = (name, batch, shape)
@@ -259,8 +273,6 @@ class Instance:
     """The instance's runtime, workflow, handler, stream and Redis client."""
 
     def __init__(self, args: dict[str, Any]) -> None:
-        import redis
-
         c = args["config"]
         config = Config(
             backend=c["backend"],
@@ -281,10 +293,7 @@ class Instance:
         )
         try:
             self.runtime = self.invoker.runtime
-            password = Path(args["redis_password_file"]).read_text()
-            client = redis.Redis(host="127.0.0.1", port=int(args["redis_port"]), password=password)
-            client.ping()
-            self.wf = _InstanceWorkflow(self.invoker, spec, {self.function: handler}, client)
+            self.wf = _InstanceWorkflow(self.invoker, spec, {self.function: handler}, args["data_path"])
             self.stream = self.runtime.create_stream()
             for model in fn.models:  # its own copy of its models, loaded at start
                 entry = self.wf.model_pool.entry(model)
@@ -308,6 +317,12 @@ class Instance:
             "allocated_bytes": self.runtime.allocated_bytes(),
             "memory_used_bytes": total - free,
             "memory_total_bytes": total,
+            # Astraea: intermediate data this instance put, still cached in its GPU memory, the most
+            # it ever cached, and the CUDA-IPC handles it exported (PUT) and opened (GET).
+            "ipc_cached_bytes": getattr(self.wf.store, "cached_bytes", 0),
+            "ipc_cached_peak_bytes": getattr(self.wf.store, "cached_peak_bytes", 0),
+            "ipc_exported": getattr(self.wf.store, "exported", 0),
+            "ipc_opened": getattr(self.wf.store, "opened", 0),
             "reported_at": time.time(),
         }
 
@@ -332,8 +347,19 @@ class Instance:
         asyncio.run(self.invoker.close())
 
 
-def _receive(stream: BinaryIO) -> dict[str, Any] | None:
-    """The next message, or None at the end of the socket."""
+    def idle(self) -> None:
+        """Between invocations: free the allocations of retired keys (Astraea's cached data)."""
+        reap = getattr(self.wf.store, "reap", None)
+        if reap is not None:
+            reap()
+
+
+def _receive(sock: socket.socket, stream: BinaryIO, idle: Callable[[], None]) -> dict[str, Any] | None:
+    """The next message, or None at the end of the socket; `idle()` runs every `IDLE_PERIOD_S` while
+    none comes. (The invoker sends one message at a time and waits for the reply, so nothing is
+    buffered in `stream` past a message: `select` on the socket sees every new one.)"""
+    while not select.select([sock], [], [], IDLE_PERIOD_S)[0]:
+        idle()
     header = stream.read(4)
     if len(header) < 4:
         return None
@@ -352,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         sock.sendall(encode_message({"ok": True, "pid": os.getpid(), "stats": instance.stats()}))
-        while (message := _receive(incoming)) is not None and message.get("op") == "invoke":
+        while (message := _receive(sock, incoming, instance.idle)) is not None:
+            if message.get("op") != "invoke":
+                break  # "stop"
             sock.sendall(encode_message(instance.invoke(message["event"], message["request_id"])))
     except (BrokenPipeError, ConnectionResetError):
         pass  # the invoker is gone
