@@ -458,8 +458,14 @@ class PlanExecutor:
         run_inputs = RunInputs(inputs)
         events, timed = result._events, result._timed
         alloc = partial(self.allocator.allocate, stream=stream)
-        free_batch, launch, touch, reclaim = self._free_batch, self.runtime.launch, table.touch, table.reclaim
+        free_batch, launch = self._free_batch, self.runtime.launch
         recycle_here = self.eager_recycling and self.recycler == "kernel"
+        # Recycling here (or not at all): the table hands each kernel's spent addresses straight back
+        # (`spent`) and says what the kernel held; the background recycler takes them from its queue.
+        if recycle_here or not self.eager_recycling:
+            touch, live = table.touch_recycling, (lambda: table.touched_bytes)
+        else:
+            touch, live = (lambda entries, alloc, _: table.touch(entries, alloc)), (lambda: table.held_bytes)
         board, generation, name, batch = self.positions, self._generation, model.plan.model, model.plan.batch
         input_address = {n: t.address for n, t in inputs.items()}
         profile, peak, allocations = bool(events), 0, table.allocations
@@ -471,9 +477,10 @@ class PlanExecutor:
                 board.update(instance, name, batch, k.index, time.perf_counter(), table.held_bytes)
             if on_kernel is not None:
                 on_kernel(k.index, k.kernel)
+            spent: list[int] = []
             with lock:  # access -> launch is atomic for the background recycler
-                addresses = touch(rows[k.index], alloc)
-                peak = max(peak, table.held_bytes)
+                addresses = touch(rows[k.index], alloc, spent)
+                peak = max(peak, live())
                 if k.compute:
                     if k.inputs:
                         addresses.extend(input_address[n] for n in k.inputs)
@@ -484,9 +491,8 @@ class PlanExecutor:
                     if profile:
                         events.append(self._record(stream))
                         timed.append(k.index)
-                spent = reclaim() if recycle_here else None
             if spent:
-                free_batch([h.address for h in spent], stream)
+                free_batch(spent, stream)
         result.stats.kernels = program.compute_kernels
         result.stats.peak_live_bytes = peak
         result.stats.allocations = table.allocations - allocations
