@@ -118,7 +118,7 @@ class _Instance:
     """A function instance's mapping table, the stream its buffers are freed on, and its kernels'
     bound calls."""
 
-    __slots__ = ("table", "lock", "stream", "program", "ephemeral", "rows", "calls")
+    __slots__ = ("table", "lock", "stream", "program", "ephemeral", "rows", "calls", "reset")
 
     def __init__(self, eager_recycling: bool, ephemeral: bool) -> None:
         self.table = MappingTable(eager_recycling=eager_recycling)
@@ -130,6 +130,8 @@ class _Instance:
         self.rows: list[tuple[MappingEntry, ...]] = []
         # The calls bound by this instance's runs (the stream's worker binds and calls them).
         self.calls: KernelCalls | None = None
+        # The table holds nothing and counts no access (its last run ended): the next run needs no reset.
+        self.reset = False
 
 
 def _release_generation(allocator: Allocator) -> Callable[[], int] | None:
@@ -218,7 +220,8 @@ class PlanExecutor:
                 state.rows = [tuple(rows[r] for r in k.rows) for k in program.kernels]
                 state.program = program
             else:
-                leftovers = state.table.reset_instance(instance)
+                leftovers = [] if state.reset else state.table.reset_instance(instance)
+            state.reset = False
         self._free(leftovers, stream)
         return instance, state
 
@@ -405,7 +408,9 @@ class PlanExecutor:
         """Everything the run still holds; an ephemeral instance forgets its registrations too."""
         if state.ephemeral:
             return state.table.release_instance(instance)
-        return state.table.reset_instance(instance)
+        held = state.table.reset_instance(instance)
+        state.reset = True
+        return held
 
     def _finish(self, instance: Hashable, state: _Instance, held: list[HeldBuffer], stream: Stream) -> Event:
         if held:
