@@ -149,8 +149,24 @@ class MappingTable:
         (`rows`), so a kernel costs no lookup by name here. Same rules as `access`, row by row: an
         allocation that raises leaves that row uncounted (the rows before it are counted).
         """
+        return self._touch(entries, allocate, None)
+
+    def touch_recycling(
+        self, entries: Sequence[MappingEntry], allocate: Callable[[int], int], spent: list[int]
+    ) -> list[int]:
+        """`touch`, recycling at once: the address of each row whose access reaches its expected
+        count is appended to `spent` (the caller frees it after the kernel) instead of being queued
+        for `reclaim`. The executor's per-kernel call when it recycles at the kernel boundary: no
+        queue, no `HeldBuffer` per spent row. Same rules and errors as `touch`. The spent rows are
+        live while the kernel runs: `touched_bytes` is what the table held for it (spent included)."""
+        return self._touch(entries, allocate, spent)
+
+    def _touch(
+        self, entries: Sequence[MappingEntry], allocate: Callable[[int], int], spent: list[int] | None
+    ) -> list[int]:
         addresses = []
         eager = self.eager_recycling
+        freed = 0
         for entry in entries:
             expected = entry.expected
             if entry.recycled or (eager and expected is not None and entry.accesses >= expected):
@@ -165,46 +181,15 @@ class MappingTable:
                 self._held_bytes += entry.nbytes
                 if self._held_bytes > self._peak_held_bytes:
                     self._peak_held_bytes = self._held_bytes
-            entry.accesses += 1
-            if eager and entry.accesses == expected:
-                self._pending[(entry.instance, entry.model, entry.var)] = entry
-            addresses.append(address)
-        return addresses
-
-    def touch_recycling(
-        self, entries: Sequence[MappingEntry], allocate: Callable[[int], int], spent: list[int]
-    ) -> list[int]:
-        """`touch`, recycling at once: the address of each row whose access reaches its expected
-        count is appended to `spent` (the caller frees it after the kernel) instead of being queued
-        for `reclaim`. The executor's per-kernel call when it recycles at the kernel boundary: no
-        queue, no `HeldBuffer` per spent row. Same rules and errors as `touch`. The spent rows are
-        live while the kernel runs: `touched_bytes` is what the table held for it (spent included)."""
-        if not self.eager_recycling:
-            addresses = self.touch(entries, allocate)
-            self.touched_bytes = self._held_bytes
-            return addresses
-        addresses = []
-        freed = 0
-        for entry in entries:
-            expected = entry.expected
-            if entry.recycled or (expected is not None and entry.accesses >= expected):
-                raise RecycledAccess(
-                    f"{entry.model}/{entry.var} of instance {entry.instance!r} accessed {entry.accesses + 1}"
-                    f" times, expected {expected}: its buffer is already recycled"
-                )
-            address = entry.address
-            if address is None:
-                address = entry.address = allocate(entry.nbytes)
-                self.allocations += 1
-                self._held_bytes += entry.nbytes
-                if self._held_bytes > self._peak_held_bytes:
-                    self._peak_held_bytes = self._held_bytes
             accesses = entry.accesses = entry.accesses + 1
-            if accesses == expected:
-                entry.address = None
-                entry.recycled = True
-                freed += entry.nbytes
-                spent.append(address)
+            if eager and accesses == expected:
+                if spent is None:
+                    self._pending[(entry.instance, entry.model, entry.var)] = entry
+                else:
+                    entry.address = None
+                    entry.recycled = True
+                    freed += entry.nbytes
+                    spent.append(address)
             addresses.append(address)
         self.touched_bytes = self._held_bytes
         self._held_bytes -= freed
