@@ -48,7 +48,7 @@ class IssueTicket:
 
     def __init__(self, issuer: Issuer) -> None:
         self._waiting, self._wake, self._closed = issuer.waiting, issuer.request_turn, issuer.closed
-        self._contended = issuer.contended
+        self._contended = issuer.is_contended
         self._slice = issuer.slice_kernels
         self._lock = threading.Lock()
         self._turn = threading.Event()
@@ -124,6 +124,14 @@ class Issuer:
         ticket = IssueTicket(self)
         self._pool.submit(ticket.run, issue, free, stream)
         return ticket
+
+    def is_contended(self) -> bool:
+        """`contended()`, read from an issuer thread while the dispatcher may be changing what it
+        looks at (a dict resized mid-iteration): in doubt, take the turn."""
+        try:
+            return self.contended()
+        except RuntimeError:
+            return True
 
     def request_turn(self) -> None:
         """From an issuer thread that just joined `waiting`: wake the dispatcher (asleep on its

@@ -78,6 +78,14 @@ def test_an_issue_alone_takes_no_turns_until_the_dispatcher_has_work() -> None:
         issuer.close()
 
 
+def test_a_contention_check_that_trips_on_a_changing_collection_counts_as_contended() -> None:
+    def resized() -> bool:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    assert Issuer(lambda: None, threads=1, contended=resized).is_contended()
+    assert not Issuer(lambda: None, threads=1, contended=lambda: False).is_contended()
+
+
 def test_a_cancelled_issue_stops_at_its_next_kernel_and_a_finished_one_frees_its_outputs() -> None:
     issuer = Issuer(lambda: None, threads=1, slice_kernels=2)
     log: list[tuple[str, int]] = []
