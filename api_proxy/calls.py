@@ -198,6 +198,11 @@ class Calls:
 
         self._sync_pool.submit(wait)
 
+    def pending(self) -> bool:
+        """Whether a posted callback or a completed device event waits for the dispatcher (only looks:
+        an issuer thread asks it at its slice boundaries)."""
+        return bool(self.posted) or any(event.query() for _, event, _ in list(self.polls))
+
     def poll_completions(self) -> int:
         done, waiting = [], []
         for p in self.polls:

@@ -21,10 +21,8 @@ Recycling runs at the kernel boundary (default) or on a background thread callin
 Each issued kernel is written to a `PositionBoard` (kernel index, issue time, bytes held), which the
 pool's resilient scaler reads. `on_kernel(i, kernel)` is called as each kernel is issued.
 
-Device bytes come from an `Allocator`: `memory_pool.DeviceMemoryPool` (the runtime's pool, which
-every byte of a proxy comes from) or `StreamPoolAllocator` (the device's own stream-ordered pool).
-Weights are allocated (`allocate_weights`) and copied (`copy_weights`) in separate steps, so that the
-IO daemon can replace the copies; `upload_model` does both.
+Device bytes come from an `Allocator`; the models the executor runs are `DeviceModel`s, resident
+weights and all (both in `device_model`, re-exported here).
 """
 
 from __future__ import annotations
@@ -32,20 +30,27 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
 
-import torch
-
-from streambox.device import Event, MemoryPool, Runtime, Stream
+from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.cost_model import launch_durations
-from streambox.kernel_compiler.plan import Kernel, KernelPlan
+from streambox.kernel_compiler.plan import Kernel
 from streambox.memory_pool.mapping_table import HeldBuffer, MappingEntry, MappingTable
 from streambox.memory_pool.modes import PoolMode
 from streambox.memory_pool.scaler import PositionBoard
 
+from .device_model import (
+    Allocator,
+    DeviceModel,
+    StreamPoolAllocator,
+    allocate_weights,
+    copy_weights,
+    free_all,
+    free_model,
+    upload_model,
+)
 from .device_tensor import DeviceTensor
 from .plan_program import ELEMENTS_PER_BLOCK, KernelCalls, PlanProgram, RunInputs, plan_key
 
@@ -67,66 +72,6 @@ __all__ = [
 
 #: Where recycling runs: at the kernel boundary on the issuing thread, or on a background thread.
 RECYCLERS = ("kernel", "thread")
-
-
-class Allocator(Protocol):
-    """Where the executor takes device bytes from (stream-ordered; `stream` is passed by keyword)."""
-
-    def allocate(self, nbytes: int, stream: Stream) -> int: ...
-
-    def free(self, address: int, stream: Stream) -> None: ...
-
-
-class StreamPoolAllocator:
-    """The device's stream-ordered pool (cuMemPool-like), one per runtime: the simple allocator."""
-
-    def __init__(self, runtime: Runtime, release_threshold: int = 0) -> None:
-        self.pool: MemoryPool = runtime.create_pool(release_threshold)
-
-    def allocate(self, nbytes: int, stream: Stream) -> int:
-        return self.pool.alloc_async(nbytes, stream)
-
-    def free(self, address: int, stream: Stream) -> None:
-        self.pool.free_async(address, stream)
-
-
-def free_all(allocator: Allocator, addresses: Iterable[int], stream: Stream, *, fence: bool = False) -> None:
-    """Free addresses stream-ordered, in one batch when the allocator takes batches (`free_many`).
-
-    `fence=True`: no more frees follow on this stream soon, so ask the allocator (if it batches
-    fences, as `DeviceMemoryPool` does) to make them free for every stream once the stream gets here.
-    """
-    free_many = getattr(allocator, "free_many", None)
-    if free_many is not None:
-        free_many(addresses, stream)
-    else:
-        for address in addresses:
-            allocator.free(address, stream)
-    fence_fn = getattr(allocator, "fence", None) if fence else None
-    if fence_fn is not None:
-        fence_fn(stream)
-
-
-@dataclass
-class DeviceModel:
-    """A plan whose weights are resident on one device."""
-
-    plan: KernelPlan
-    weights: dict[str, DeviceTensor]
-    # Tensor views over the resident weights, built once: a run only makes views of what it allocates.
-    weight_views: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    _program: PlanProgram | None = field(default=None, repr=False)
-
-    @property
-    def weight_bytes(self) -> int:
-        return sum(t.nbytes for t in self.weights.values())
-
-    @property
-    def program(self) -> PlanProgram:
-        """The plan resolved for the executor, once per model (see `plan_program`)."""
-        if self._program is None:
-            self._program = PlanProgram.of(self.plan)
-        return self._program
 
 
 @dataclass
@@ -162,61 +107,6 @@ class RunResult:
         return seconds
 
 
-def allocate_weights(runtime: Runtime, plan: KernelPlan, allocator: Allocator, stream: Stream) -> DeviceModel:
-    """Device memory for every weight of `plan` (no copy yet: see `copy_weights`)."""
-    weights: dict[str, DeviceTensor] = {}
-    try:
-        for var in plan.vars_of_kind("weight"):
-            address = allocator.allocate(var.nbytes, stream)
-            weights[var.name] = DeviceTensor(
-                address, var.torch_dtype, tuple(var.shape), _contiguous_strides(var.shape), var.nbytes
-            )
-    except BaseException:  # e.g. out of memory half-way: nothing half-loaded stays
-        free_all(allocator, [t.address for t in weights.values()], stream, fence=True)
-        raise
-    views = {name: tensor.view(runtime) for name, tensor in weights.items()}
-    return DeviceModel(plan, weights, views)
-
-
-def copy_weights(
-    runtime: Runtime, model: DeviceModel, stream: Stream, tensors: Mapping[str, torch.Tensor] | None = None
-) -> None:
-    """Copy the weights into their device memory on `stream` (the IO daemon replaces this direct path)."""
-    tensors = model.plan.load_weights() if tensors is None else tensors
-    for name, handle in model.weights.items():
-        host = tensors[name].detach().contiguous()
-        if host.numel() * host.element_size() != handle.nbytes:
-            raise ValueError(
-                f"weight {name}: {host.numel() * host.element_size()} bytes, expected {handle.nbytes}"
-            )
-        runtime.copy_htod_async(handle.address, host.view(-1).view(torch.uint8), handle.nbytes, stream)
-
-
-def upload_model(runtime: Runtime, plan: KernelPlan, allocator: Allocator, stream: Stream) -> DeviceModel:
-    """Allocate and copy every weight of `plan` (`allocate_weights` then `copy_weights`)."""
-    model = allocate_weights(runtime, plan, allocator, stream)
-    try:
-        copy_weights(runtime, model, stream)
-    except BaseException:
-        free_model(model, allocator, stream)
-        raise
-    return model
-
-
-def free_model(model: DeviceModel, allocator: Allocator, stream: Stream) -> None:
-    free_all(allocator, [t.address for t in model.weights.values()], stream, fence=True)
-    model.weights.clear()
-    model.weight_views.clear()
-
-
-def _contiguous_strides(shape: Iterable[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(list(shape)):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
-
-
 @dataclass(frozen=True)
 class _Ephemeral:
     """The instance id of a run called without one: registered for that run only."""
@@ -228,7 +118,7 @@ class _Instance:
     """A function instance's mapping table, the stream its buffers are freed on, and its kernels'
     bound calls."""
 
-    __slots__ = ("table", "lock", "stream", "program", "ephemeral", "rows", "calls")
+    __slots__ = ("table", "lock", "stream", "program", "ephemeral", "rows", "calls", "reset")
 
     def __init__(self, eager_recycling: bool, ephemeral: bool) -> None:
         self.table = MappingTable(eager_recycling=eager_recycling)
@@ -240,6 +130,8 @@ class _Instance:
         self.rows: list[tuple[MappingEntry, ...]] = []
         # The calls bound by this instance's runs (the stream's worker binds and calls them).
         self.calls: KernelCalls | None = None
+        # The table holds nothing and counts no access (its last run ended): the next run needs no reset.
+        self.reset = False
 
 
 def _release_generation(allocator: Allocator) -> Callable[[], int] | None:
@@ -328,7 +220,8 @@ class PlanExecutor:
                 state.rows = [tuple(rows[r] for r in k.rows) for k in program.kernels]
                 state.program = program
             else:
-                leftovers = state.table.reset_instance(instance)
+                leftovers = [] if state.reset else state.table.reset_instance(instance)
+            state.reset = False
         self._free(leftovers, stream)
         return instance, state
 
@@ -458,8 +351,14 @@ class PlanExecutor:
         run_inputs = RunInputs(inputs)
         events, timed = result._events, result._timed
         alloc = partial(self.allocator.allocate, stream=stream)
-        free_batch, launch, touch, reclaim = self._free_batch, self.runtime.launch, table.touch, table.reclaim
+        free_batch, launch = self._free_batch, self.runtime.launch
         recycle_here = self.eager_recycling and self.recycler == "kernel"
+        # Recycling here (or not at all): the table hands each kernel's spent addresses straight back
+        # (`spent`) and says what the kernel held; the background recycler takes them from its queue.
+        if recycle_here or not self.eager_recycling:
+            touch, live = table.touch_recycling, (lambda: table.touched_bytes)
+        else:
+            touch, live = (lambda entries, alloc, _: table.touch(entries, alloc)), (lambda: table.held_bytes)
         board, generation, name, batch = self.positions, self._generation, model.plan.model, model.plan.batch
         input_address = {n: t.address for n, t in inputs.items()}
         profile, peak, allocations = bool(events), 0, table.allocations
@@ -471,9 +370,10 @@ class PlanExecutor:
                 board.update(instance, name, batch, k.index, time.perf_counter(), table.held_bytes)
             if on_kernel is not None:
                 on_kernel(k.index, k.kernel)
+            spent: list[int] = []
             with lock:  # access -> launch is atomic for the background recycler
-                addresses = touch(rows[k.index], alloc)
-                peak = max(peak, table.held_bytes)
+                addresses = touch(rows[k.index], alloc, spent)
+                peak = max(peak, live())
                 if k.compute:
                     if k.inputs:
                         addresses.extend(input_address[n] for n in k.inputs)
@@ -484,9 +384,8 @@ class PlanExecutor:
                     if profile:
                         events.append(self._record(stream))
                         timed.append(k.index)
-                spent = reclaim() if recycle_here else None
             if spent:
-                free_batch([h.address for h in spent], stream)
+                free_batch(spent, stream)
         result.stats.kernels = program.compute_kernels
         result.stats.peak_live_bytes = peak
         result.stats.allocations = table.allocations - allocations
@@ -509,7 +408,9 @@ class PlanExecutor:
         """Everything the run still holds; an ephemeral instance forgets its registrations too."""
         if state.ephemeral:
             return state.table.release_instance(instance)
-        return state.table.reset_instance(instance)
+        held = state.table.reset_instance(instance)
+        state.reset = True
+        return held
 
     def _finish(self, instance: Hashable, state: _Instance, held: list[HeldBuffer], stream: Stream) -> Event:
         if held:

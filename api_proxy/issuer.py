@@ -12,6 +12,10 @@ issue at a time, oldest first) each time it goes round its loop with nothing to 
 dispatcher's own work (every instance's messages, completions) thus goes first, and a small call
 of another instance waits about one slice per step, not the whole plan.
 
+A turn costs two thread hand-offs, so an issue asks for one only when somebody else waits: another
+issue at its slice boundary, or the dispatcher with work at hand (`contended`: a message in a ring,
+a posted callback, a completed device event to deliver). A plan issued alone runs without turns.
+
 A ticket can be cancelled (its instance died): the issue stops at the next slice boundary, the
 executor hands back what the run held, and outputs of a run that finished unseen are freed.
 """
@@ -44,6 +48,7 @@ class IssueTicket:
 
     def __init__(self, issuer: Issuer) -> None:
         self._waiting, self._wake, self._closed = issuer.waiting, issuer.request_turn, issuer.closed
+        self._contended = issuer.is_contended
         self._slice = issuer.slice_kernels
         self._lock = threading.Lock()
         self._turn = threading.Event()
@@ -53,9 +58,10 @@ class IssueTicket:
         self.future: Future[tuple[bool, Any]] = Future()
 
     def on_kernel(self, index: int, kernel: Any) -> None:
-        """The executor's per-kernel hook: at each slice boundary, wait for the dispatcher's turn."""
+        """The executor's per-kernel hook: at each slice boundary where somebody else waits, wait for
+        the dispatcher's turn."""
         self._count += 1
-        if self._count % self._slice == 0:
+        if self._count % self._slice == 0 and (self._waiting or self._contended()):
             self._turn.clear()
             self._waiting.append(self._turn)  # list.append: atomic under the GIL
             self._wake()
@@ -99,10 +105,14 @@ class Issuer:
         *,
         threads: int = DEFAULT_ISSUERS,
         slice_kernels: int = DEFAULT_SLICE_KERNELS,
+        contended: Callable[[], bool] | None = None,
     ) -> None:
+        """`contended()`: whether the dispatcher has work waiting (read from an issuer thread, so it
+        must only look); None: always, i.e. a turn at every slice boundary."""
         if threads < 1 or slice_kernels < 1:
             raise ValueError(f"issuer: threads ({threads}) and slice_kernels ({slice_kernels}) must be >= 1")
         self._wake = wake
+        self.contended: Callable[[], bool] = contended or (lambda: True)
         self.slice_kernels = slice_kernels
         self.waiting: list[threading.Event] = []  # issues at a slice boundary, waiting for a turn
         self.requested = threading.Event()  # set while one waits: ends the dispatcher's idle pause
@@ -114,6 +124,14 @@ class Issuer:
         ticket = IssueTicket(self)
         self._pool.submit(ticket.run, issue, free, stream)
         return ticket
+
+    def is_contended(self) -> bool:
+        """`contended()`, read from an issuer thread while the dispatcher may be changing what it
+        looks at (a dict resized mid-iteration): in doubt, take the turn."""
+        try:
+            return self.contended()
+        except RuntimeError:
+            return True
 
     def request_turn(self) -> None:
         """From an issuer thread that just joined `waiting`: wake the dispatcher (asleep on its

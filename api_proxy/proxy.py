@@ -133,7 +133,12 @@ class ProxyServer:
             model_shapes=cfg.model_shapes,
             post=self.calls.post,
             issuer=(
-                Issuer(self.transport.wake, threads=cfg.issue_threads, slice_kernels=cfg.issue_slice)
+                Issuer(
+                    self.transport.wake,
+                    threads=cfg.issue_threads,
+                    slice_kernels=cfg.issue_slice,
+                    contended=lambda: self.transport.has_input() or self.calls.pending(),
+                )
                 if cfg.issue_threads
                 else None
             ),

@@ -92,6 +92,7 @@ class MappingTable:
         self._pending: dict[Key, MappingEntry] = {}  # reached expected count, not yet reclaimed
         self._held_bytes = 0
         self._peak_held_bytes = 0
+        self.touched_bytes = 0  # held during the last `touch_recycling`'s kernel (its spent rows included)
         self.allocations = 0  # buffers allocated so far (first accesses and `materialize`)
 
     # -- registration ---------------------------------------------------------------------------
@@ -148,8 +149,24 @@ class MappingTable:
         (`rows`), so a kernel costs no lookup by name here. Same rules as `access`, row by row: an
         allocation that raises leaves that row uncounted (the rows before it are counted).
         """
+        return self._touch(entries, allocate, None)
+
+    def touch_recycling(
+        self, entries: Sequence[MappingEntry], allocate: Callable[[int], int], spent: list[int]
+    ) -> list[int]:
+        """`touch`, recycling at once: the address of each row whose access reaches its expected
+        count is appended to `spent` (the caller frees it after the kernel) instead of being queued
+        for `reclaim`. The executor's per-kernel call when it recycles at the kernel boundary: no
+        queue, no `HeldBuffer` per spent row. Same rules and errors as `touch`. The spent rows are
+        live while the kernel runs: `touched_bytes` is what the table held for it (spent included)."""
+        return self._touch(entries, allocate, spent)
+
+    def _touch(
+        self, entries: Sequence[MappingEntry], allocate: Callable[[int], int], spent: list[int] | None
+    ) -> list[int]:
         addresses = []
         eager = self.eager_recycling
+        freed = 0
         for entry in entries:
             expected = entry.expected
             if entry.recycled or (eager and expected is not None and entry.accesses >= expected):
@@ -164,10 +181,18 @@ class MappingTable:
                 self._held_bytes += entry.nbytes
                 if self._held_bytes > self._peak_held_bytes:
                     self._peak_held_bytes = self._held_bytes
-            entry.accesses += 1
-            if eager and entry.accesses == expected:
-                self._pending[(entry.instance, entry.model, entry.var)] = entry
+            accesses = entry.accesses = entry.accesses + 1
+            if eager and accesses == expected:
+                if spent is None:
+                    self._pending[(entry.instance, entry.model, entry.var)] = entry
+                else:
+                    entry.address = None
+                    entry.recycled = True
+                    freed += entry.nbytes
+                    spent.append(address)
             addresses.append(address)
+        self.touched_bytes = self._held_bytes
+        self._held_bytes -= freed
         return addresses
 
     def reclaim(self) -> list[HeldBuffer]:

@@ -306,7 +306,15 @@ class DeviceMemoryPool:
         with self._lock:
             if self._closed:
                 raise DeviceError("memory pool is closed")
-            address = None if ladder is not None else self._allocate_fast(size, stream)
+            address = None
+            if ladder is None:  # the fast path, inline (once per kernel of a lazily allocated plan)
+                frees = self._streams.get(stream)
+                if frees is not None and frees.pending:
+                    address = frees.take(size)
+                    if address is not None:
+                        self.counters.same_stream_reuses += 1
+                if address is None:
+                    address = self._sub.allocate(size)
             if address is None:
                 if ladder is None:
                     ladder = _Ladder(started, self.config.wait_own_frees)
@@ -314,23 +322,15 @@ class DeviceMemoryPool:
                 if isinstance(address, Reclaim):
                     return address
             self._live[address] = nbytes
-            self._demand += nbytes
+            demand = self._demand = self._demand + nbytes
             self.counters.allocations += 1
             metrics = self.metrics
             if metrics is not None:
                 now = time.perf_counter()
-                metrics.update(now, self._sub.reserved_bytes, self._sub.allocated_bytes, self._demand)
+                sub = self._sub
+                metrics.update(now, sub._reserved, sub._allocated, demand)
                 metrics.record_alloc(now - started)
         return address
-
-    def _allocate_fast(self, size: int, stream: Stream) -> int | None:
-        frees = self._streams.get(stream)
-        if frees is not None and frees.pending:
-            address = frees.take(size)
-            if address is not None:
-                self.counters.same_stream_reuses += 1
-                return address
-        return self._sub.allocate(size)
 
     def free(self, address: int, stream: Stream | None) -> None:
         """Free one block, stream-ordered on `stream` (None: no device work uses it any more)."""
@@ -353,23 +353,29 @@ class DeviceMemoryPool:
                 if frees is None:
                     frees = self._streams[stream] = _StreamFrees(stream)
                 pending, by_size, unfenced = frees.pending, frees.by_size, frees.unfenced
-                for address in addresses:
-                    nbytes = live.pop(address, None)
-                    if nbytes is None:
-                        self._pop_live(address)  # raises the right error
-                    self._demand -= nbytes
-                    size = _aligned(nbytes)
-                    self._token += 1
-                    pending[address] = self._token
-                    bucket = by_size.get(size)
-                    if bucket is None:
-                        by_size[size] = {address: None}
-                    else:
-                        bucket[address] = None
-                    unfenced.append((address, self._token, size))
-                    frees.unfenced_bytes += size
-                    frees.pending_bytes += size
-                    count += 1
+                token, freed_bytes, freed_demand = self._token, 0, 0
+                try:
+                    for address in addresses:
+                        nbytes = live.pop(address, None)
+                        if nbytes is None:
+                            self._pop_live(address)  # raises the right error
+                        freed_demand += nbytes
+                        size = ALIGNMENT if nbytes <= ALIGNMENT else (nbytes + ALIGNMENT - 1) & _MASK
+                        token += 1
+                        pending[address] = token
+                        bucket = by_size.get(size)
+                        if bucket is None:
+                            by_size[size] = {address: None}
+                        else:
+                            bucket[address] = None
+                        unfenced.append((address, token, size))
+                        freed_bytes += size
+                        count += 1
+                finally:  # the frees before a bad address happened: account for them
+                    self._token = token
+                    self._demand -= freed_demand
+                    frees.unfenced_bytes += freed_bytes
+                    frees.pending_bytes += freed_bytes
                 config = self.config
                 if frees.unfenced_bytes >= config.fence_bytes or len(unfenced) >= config.fence_frees:
                     self._fence_locked(frees, None)
@@ -381,7 +387,8 @@ class DeviceMemoryPool:
             metrics = self.metrics
             if metrics is not None and count:
                 now = time.perf_counter()
-                metrics.update(now, self._sub.reserved_bytes, self._sub.allocated_bytes, self._demand)
+                sub = self._sub
+                metrics.update(now, sub._reserved, sub._allocated, self._demand)
                 metrics.record_free((now - started) / count, count)
             limit = self.config.run_ahead_bytes
             if (

@@ -60,6 +60,32 @@ def test_issues_run_a_slice_per_turn_and_take_turns_oldest_first() -> None:
         issuer.close()
 
 
+def test_an_issue_alone_takes_no_turns_until_the_dispatcher_has_work() -> None:
+    busy = threading.Event()
+    issuer = Issuer(lambda: None, threads=1, slice_kernels=2, contended=busy.is_set)
+    log: list[tuple[str, int]] = []
+    try:
+        alone = issuer.submit(_issue("a", 10, log), lambda *a: None, None)
+        assert alone.future.result(WAIT_S)[0] and len(log) == 10  # no turn was ever granted
+        busy.set()  # the dispatcher has work: the next issue waits at its first boundary
+        waits = issuer.submit(_issue("b", 10, log), lambda *a: None, None)
+        _until(lambda: issuer.waiting)
+        assert log[10:] == [("b", 0)] and not waits.future.done()
+        busy.clear()
+        issuer.grant()  # one turn; nobody waits any more, so the rest runs without turns
+        assert waits.future.result(WAIT_S)[0] and [i for n, i in log if n == "b"] == list(range(10))
+    finally:
+        issuer.close()
+
+
+def test_a_contention_check_that_trips_on_a_changing_collection_counts_as_contended() -> None:
+    def resized() -> bool:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    assert Issuer(lambda: None, threads=1, contended=resized).is_contended()
+    assert not Issuer(lambda: None, threads=1, contended=lambda: False).is_contended()
+
+
 def test_a_cancelled_issue_stops_at_its_next_kernel_and_a_finished_one_frees_its_outputs() -> None:
     issuer = Issuer(lambda: None, threads=1, slice_kernels=2)
     log: list[tuple[str, int]] = []

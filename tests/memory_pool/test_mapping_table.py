@@ -105,6 +105,26 @@ def test_touch_is_access_row_by_row_without_lookups() -> None:
         t.rows("f1", "m", ["z"])
 
 
+def test_touch_recycling_hands_spent_addresses_back_at_once() -> None:
+    t, ref = MappingTable(), MappingTable()
+    for table in (t, ref):
+        table.register_many("f1", "m", [("x", 100, 2), ("y", 200, 1), ("out", 300, None)])
+    alloc, ref_alloc = FakeAllocator(), FakeAllocator()
+    x, y, out = t.rows("f1", "m", ["x", "y", "out"])
+    rx, ry, rout = ref.rows("f1", "m", ["x", "y", "out"])
+    spent: list[int] = []
+    assert t.touch_recycling((x, y), alloc, spent) == ref.touch((rx, ry), ref_alloc) == [0x1000, 0x2000]
+    assert spent == [0x2000] and (t.touched_bytes, t.held_bytes, t.pending_reclaim) == (300, 100, 0)
+    assert t.touch_recycling((x, out), alloc, spent) == ref.touch((rx, rout), ref_alloc) == [0x1000, 0x3000]
+    assert spent == [0x2000, 0x1000]
+    ref.reclaim()
+    assert (t.touched_bytes, t.held_bytes, ref.held_bytes) == (400, 300, 300)  # x was live in its last kernel
+    assert t.reclaim() == []
+    with pytest.raises(RecycledAccess):
+        t.touch_recycling((y,), alloc, spent)
+    assert [h.address for h in t.release_instance("f1")] == [0x3000]  # only the output is still held
+
+
 def test_unknown_variables_and_bad_registrations_raise_clear_errors() -> None:
     t = MappingTable()
     t.register("f1", "m", "x", 100, expected=1)
