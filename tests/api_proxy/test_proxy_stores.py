@@ -96,7 +96,7 @@ def test_the_ipc_store_allocates_outside_the_pool(proxies, settled):
             assert pool_grew >= 4 * N and outside == 0
         else:
             assert pool_grew == 0 and outside >= 4 * N
-            assert after["store"]["stored_bytes"]["0"] == 4 * N and after["store"]["device_allocs"] >= 1
+            assert after["store"]["held_bytes"]["gpu0"] == 4 * N and after["store"]["device_allocs"] >= 1
         assert client.end_request(f"held-{kind}") == 1
 
 
@@ -112,11 +112,11 @@ def test_the_ipc_store_spills_to_host_when_the_gpu_is_full_and_charges_handle_op
         filler = rt.mem_alloc(rt.memory_info()[0] - MiB // 4)
         client.invoke("produce", {"n": N, "scale": 7.0, "consumers": 1}, request_id="full")
         store = client.stats()["store"]
-        assert store["spills"] == 1 and store["stored_bytes"]["-1"] == 4 * N  # in host memory
+        assert store["spills"] == 1 and store["held_bytes"]["host"] == 4 * N  # in host memory
         rt.mem_free(filler)
         assert client.invoke("consume", {}, request_id="full")["output"] == _want(7.0)
         store = client.stats()["store"]
-        assert store["gets"]["host-to-device"] == 1 and store["stored_bytes"]["-1"] == 0
+        assert store["gets"]["host-to-device"] == 1 and store["held_bytes"]["host"] == 0
     finally:
         rt.close()
         backend.close()
