@@ -1,24 +1,34 @@
-"""Deploy-time prewarm of a real proxy: `prewarm` instances per function are forked from the template
-and registered before `launch_proxy` returns, so the first request finds a warm instance."""
+"""Deploy-time start-up of a real proxy: `prewarm` instances per function are forked from the template
+and registered before `launch_proxy` returns, so the first request finds a warm instance; a handler
+module's `warm_up()` runs once in the template, and the instances inherit what it built."""
 
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 
 import pytest
 
 from streambox.api_proxy.control import launch_proxy
 from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.template import resolve_handler, warm_up_modules
 
 HANDLERS = textwrap.dedent(
     """
     import os
     import streambox
 
+    WARMED_BY = None
+
+    def warm_up():
+        global WARMED_BY
+        assert WARMED_BY is None, "warm_up ran twice"
+        WARMED_BY = os.getpid()
+
     @streambox.function
     def noop(ctx, event):
-        return {"pid": os.getpid()}
+        return {"pid": os.getpid(), "warmed_by": WARMED_BY}
     """
 )
 
@@ -45,10 +55,21 @@ def test_prewarmed_instances_are_idle_at_deploy_and_serve_the_first_requests_war
         assert stats["instances_started"] == 4 and stats["cold_starts"] == 0
         first = proxy.client.invoke("noop", {}, request_id="r1")
         assert first["cold_start"] is False and first["start_s"] == 0
-        assert first["output"]["pid"] != os.getpid()
+        pid, warmed_by = first["output"]["pid"], first["output"]["warmed_by"]
+        assert pid != os.getpid() and warmed_by not in (None, pid)  # in the template, before the fork
         assert proxy.client.stats()["cold_starts"] == 0
     finally:
         proxy.stop()
+
+
+def test_warm_up_runs_each_modules_hook_once_and_skips_modules_without(tmp_path, monkeypatch):
+    hooked_source = "CALLS = []\ndef warm_up():\n    CALLS.append(1)\ndef noop(ctx, event):\n    pass\n"
+    (tmp_path / "hooked_mod.py").write_text(hooked_source)
+    (tmp_path / "plain_mod.py").write_text("def handler(ctx, event):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hooked = [resolve_handler("hooked_mod:noop"), resolve_handler("hooked_mod:warm_up")]
+    assert warm_up_modules([*hooked, resolve_handler("plain_mod:handler")]) == 1
+    assert sys.modules["hooked_mod"].CALLS == [1]
 
 
 def test_no_prewarm_by_default_the_first_request_forks():
