@@ -84,17 +84,31 @@ class Lifecycle:
         elif isinstance(action, Start):
             self._start_instance(action)
 
+    def prewarm(self) -> int:
+        """Fork `config.prewarm` instances per function ahead of any request (deploy); how many.
+        Each goes idle when it registers (`on_hello`); `starting()` says how many have not yet."""
+        now, count = _now(), self.server.config.prewarm
+        starts = [s for f in self.server.functions for s in self.scheduler.prewarm(f, count, now)]
+        for start in starts:
+            self._start_instance(start)
+        return len(starts)
+
+    def starting(self) -> int:
+        """Instances forked but not registered yet."""
+        return sum(inst.state == "starting" for inst in self.supervisor.instances.values())
+
     def _start_instance(self, start: Start) -> None:
         now = _now()
         spec = self.server.functions[start.function]
-        inv: Invocation = start.item
-        inv.cold = True
+        inv: Invocation | None = start.item  # None: prewarmed, no request waits for it
+        if inv is not None:
+            inv.cold = True
+            self.stats.cold_starts += 1
         endpoint = self.server.transport.add(start.instance)
         deadline = now + self.server.config.start_timeout_s
         stream = self.resources.runtime.create_stream()
         inst = Instance(start.instance, spec, stream, "starting", now, deadline, first=inv)
         self.stats.instances_started += 1
-        self.stats.cold_starts += 1
         failed = self.supervisor.start(inst, endpoint)
         if failed is not None:
             self.instance_died(inst, failed, FunctionCrashed)

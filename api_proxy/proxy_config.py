@@ -126,6 +126,10 @@ class ProxyConfig(Mechanisms, Tuning):
     sys_path: tuple[str, ...] = ()  # prepended in the template (where the handler modules live)
     huge_pages: bool = True  # back the template's heap with huge pages (cheaper forks)
     prefork: int = Field(2, ge=0)  # spare instances the template keeps forked ahead (0: on demand)
+    # Instances per function forked and registered at start (deploy), before the first request: the
+    # paper warms every system up (section 9) and replay does (1, as infless's and astraea's option
+    # of the same name). 0: each forks at its first request (a cold start, 1-20 ms from the template).
+    prewarm: int = Field(0, ge=0)
     start_timeout_s: float = Field(30.0, gt=0)  # an instance must register within this
     # Device options (None: from the environment, see `device_config()`).
     backend: str | None = None

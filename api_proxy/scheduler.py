@@ -8,6 +8,8 @@ vLLM's scheduler returns its outputs for the engine to act on:
   instance, numbered here, for it) or nothing (queued);
 - `finished(...)`: an instance is free -> `Dispatch` of the next queued invocation,
   or nothing (it idles);
+- `prewarm(function, count, now)`: deploying -> `Start`s with no invocation (instances up before the
+  first request; each goes idle when it registers);
 - `removed(...)`: an instance is gone -> `Start`s for queued invocations that can now have one;
 - `tick(now)`: `Expire`s (queued past their deadline) and `Stop`s (idle past keep-alive).
 
@@ -39,7 +41,8 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class Start:
-    """Start instance `instance` (a new number) of `function` for `item`; the pool counts it, busy."""
+    """Start instance `instance` (a new number) of `function` for `item` (None: a prewarmed instance,
+    idle once registered); the pool counts it, busy."""
 
     function: str
     instance: int
@@ -86,6 +89,12 @@ class InvocationScheduler:
             return self._start(function, item, now)
         self.queues[function].append(item)
         return None
+
+    def prewarm(self, function: str, count: int, now: float) -> list[Start]:
+        """Up to `count` instances of `function` started ahead of any request (within its limit)."""
+        pool = self.pools[function]
+        room = max(0, min(count, pool.max_instances - len(pool)))
+        return [self._start(function, None, now) for _ in range(room)]
 
     def finished(self, function: str, instance: Hashable, now: float) -> Dispatch | None:
         """`instance` is free: the next queued invocation, or None (it idles from `now`)."""

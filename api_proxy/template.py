@@ -2,9 +2,10 @@
 
 The proxy starts one template per workflow (`python -c` of `main`, before the proxy creates its
 device runtime). The template imports torch, the SDK and every handler module, resolves the
-handlers, then freezes its heap (`gc.freeze`) and backs it with huge pages (`MADV_COLLAPSE` where
-the kernel has it: fork copies page tables, and torch's few hundred MB of heap in 4 KiB pages make a
-fork cost ~15 ms on a VM, ~3 ms in 2 MiB pages). It never creates a device context nor a zmq context.
+handlers, runs each handler module's `warm_up()` where it has one (`warm_up_modules`), then
+freezes its heap (`gc.freeze`) and backs it with huge pages (`MADV_COLLAPSE` where the kernel has
+it: fork copies page tables, and torch's few hundred MB of heap in 4 KiB pages make a fork cost
+~15 ms on a VM, ~3 ms in 2 MiB pages). It never creates a device context nor a zmq context.
 
 Instances are forks of the template, made two ways:
 
@@ -39,6 +40,7 @@ import socket
 import struct
 import sys
 import traceback
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
@@ -140,6 +142,17 @@ def resolve_handler(spec: str) -> Any:
     return obj
 
 
+def warm_up_modules(handlers: Iterable[Any]) -> int:
+    """Call, once each, the `warm_up()` of the handlers' modules that define one: lazy work (built
+    objects, tables) done where the handlers are imported, so that instances forked afterwards
+    inherit it instead of paying it at their first request. How many ran."""
+    modules = {getattr(h, "__module__", None) for h in handlers}
+    hooks = [getattr(sys.modules.get(m or ""), "warm_up", None) for m in sorted(filter(None, modules))]
+    for hook in filter(callable, hooks):
+        hook()
+    return sum(map(callable, hooks))
+
+
 def _setup_child(template_pid: int, close: list[int]) -> None:
     for fd in close:
         with contextlib.suppress(OSError):
@@ -206,7 +219,9 @@ def _import_handlers(config: dict[str, Any]) -> dict[str, Any]:
 
     from . import channel, client  # noqa: F401 - imported once here, not in each instance
 
-    return {name: resolve_handler(spec) for name, spec in config["functions"].items()}
+    handlers = {name: resolve_handler(spec) for name, spec in config["functions"].items()}
+    warm_up_modules(handlers.values())
+    return handlers
 
 
 class _Template:

@@ -31,9 +31,11 @@ Options (`--set KEY=VALUE`, or the same names as flags: `--pa off`), common to a
                  i.e. 600 s times the replay's time compression (`--minute-seconds` / 60).
   `variants`     how many different synthetic inputs are cycled through (default 4).
   the device     `backend`, `device_preset`, `gpus`, `device_mode` (default `timed` here).
+  `prewarm`      instances per function started at deploy (default 1, every system: the paper warms
+                 the baselines up, section 9; the proxies fork theirs from the warm template).
 Proxy systems also take the mechanisms (`pool_mode`, `io_daemon`, `rz`, `pb`, `bt`, `pa`, `am`,
 `recycler`, `weights_keep_alive_s`) and `completion`, `channel` (docs/api_proxy.md); `infless`
-and `astraea` take `prewarm` (instances per function started at deploy, default 1) and `gpu_percent`.
+and `astraea` take `gpu_percent`.
 config.json's `system_config` holds the resolved `settings` of the run.
 """
 
@@ -60,10 +62,20 @@ from .target import Outcome, SystemRequest
 #: The paper's keep-alive (10 minutes of trace time).
 PAPER_KEEP_ALIVE_S = 600.0
 COMMON_OPTIONS = ("inputs", "keep_alive_s", "variants")
-#: What deploying does before the first request, said in every run's settings because it differs:
-#: the proxies load the models at deploy but fork their function instances at the first request
-#: (those requests are cold starts); the per-instance systems start `prewarm` instances at deploy.
-PROXY_STARTUP = "deploy loads the models into the proxy; function instances fork at their first request"
+#: Instances per function every system starts at deploy unless `--set prewarm=N` says otherwise: the
+#: paper warms the systems up (section 9), the proxies and the per-instance systems alike.
+DEFAULT_PREWARM = 1
+
+
+def proxy_startup(prewarm: int) -> str:
+    """What deploying a proxy system does before the first request (each run's `settings.startup`)."""
+    if prewarm == 0:
+        return "deploy loads the models into the proxy; function instances fork at their first request"
+    return (
+        f"deploy loads the models into the proxy and forks {prewarm} instance(s) per function "
+        "from its template"
+    )
+
 #: The device a replay runs on unless told otherwise: timed, so that GPU time is modelled.
 REPLAY_DEVICE_DEFAULTS = {"device_mode": "timed"}
 
@@ -238,6 +250,7 @@ def _proxy_invoker(system: str) -> Callable[[Config, WorkflowOptions, dict[str, 
         # The proxy loads its models at start for the shapes the requests will bring.
         proxy_options = {
             "model_shapes": options.inputs,
+            "prewarm": DEFAULT_PREWARM,
             **_proxy_options(system, rest),
         }
         return ProxyInvoker(
@@ -251,12 +264,21 @@ def _proxy_invoker(system: str) -> Callable[[Config, WorkflowOptions, dict[str, 
     return make
 
 
+class ProxyStartup(SettingsModel):
+    """The proxy systems' start-up option, named as infless's and astraea's."""
+
+    prewarm: int = Field(DEFAULT_PREWARM, ge=0, description="instances per function forked at deploy")
+
+
 def _proxy_options(system: str, options: Mapping[str, str]) -> dict[str, Any]:
     """`--set` strings to ProxyConfig fields (errors name the system, the key and what is allowed)."""
     from streambox.api_proxy.proxy_config import ablation_options
 
+    given = {option_name(k): v for k, v in options.items()}
+    startup = {k: given.pop(k) for k in ("prewarm",) if k in given}
     try:
-        return ablation_options(options)
+        own = build(ProxyStartup, "proxy option", **startup).model_dump(exclude_unset=True)
+        return {**ablation_options(given), **own}
     except ValueError as error:
         raise ValueError(f"{system}: {error}") from None
 
@@ -273,7 +295,8 @@ def _proxy_settings(system: str) -> Callable[[WorkflowOptions, dict[str, str]], 
         keep = parsed.get("weights_keep_alive_s")
         return {
             **resolved,
-            "startup": PROXY_STARTUP,
+            "startup": proxy_startup(parsed.get("prewarm", DEFAULT_PREWARM)),
+            "prewarm": parsed.get("prewarm", DEFAULT_PREWARM),
             "weights_keep_alive_s": options.keep_alive_s if keep is None else keep,
             "completion": parsed.get("completion") or env_default("completion") or "poll",
             "channel": parsed.get("channel") or env_default("channel") or "shm",
@@ -318,7 +341,9 @@ class MonolithicOptions(SettingsModel):
     # The paper warms the baselines up ("the significant latency of cold start could cause all
     # requests to time out", section 9), as the proxies load their models at deploy: one instance
     # per function is up before the first request.
-    prewarm: int = Field(1, ge=0, description="instances per function started before the first request")
+    prewarm: int = Field(
+        DEFAULT_PREWARM, ge=0, description="instances per function started before the first request"
+    )
     gpu_percent: int | None = Field(
         None, ge=1, le=100, description="each instance's MPS share; default: 100 / the workflow's functions"
     )

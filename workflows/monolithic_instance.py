@@ -32,6 +32,7 @@ import torch
 
 from streambox.api_proxy.device_tensor import DeviceTensor
 from streambox.api_proxy.executor import DeviceModel
+from streambox.api_proxy.template import warm_up_modules
 from streambox.comm.baselines import FuncIpc
 from streambox.comm.handle import Allocator
 from streambox.config import Config
@@ -287,6 +288,7 @@ class Instance:
         self.function = args["function"]
         fn = spec.functions[self.function]
         handler = resolve_handler(fn.handler, base_dir)
+        warm_up_modules([handler])  # the lazy work its module does ahead of requests, as the proxy's template
         self.gpu_percent: int | None = args.get("gpu_percent")
         self.invoker = LocalInvoker.open(
             config, system="stream-only", device=int(args["device"]), gpu_percent=self.gpu_percent

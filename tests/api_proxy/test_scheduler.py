@@ -83,3 +83,15 @@ def test_bad_limits_are_refused():
         InvocationScheduler({"f": 0})
     with pytest.raises(ValueError, match="keep_alive_s"):
         InvocationScheduler({"f": 1}, keep_alive_s=-1.0)
+
+
+def test_prewarm_starts_instances_without_a_request_that_go_idle_and_take_the_first_requests():
+    s = InvocationScheduler({"f": 2, "g": 1}, keep_alive_s=10.0)
+    assert s.prewarm("f", 3, 0.0) == [Start("f", 1, None), Start("f", 2, None)]  # within its limit
+    assert s.prewarm("g", 0, 0.0) == []
+    assert s.summary()["f"] == {"instances": 2, "idle": 0, "busy": 2, "queued": 0}  # starting
+    assert s.finished("f", 1, 1.0) is None and s.finished("f", 2, 1.5) is None  # registered: idle
+    a, b = Inv("a"), Inv("b")
+    assert s.submit("f", a, 2.0) == Dispatch(2, a)
+    assert s.submit("f", b, 2.0) == Dispatch(1, b)
+    assert s.prewarm("f", 1, 3.0) == []  # full

@@ -1,6 +1,7 @@
 """A streambox replay writes each request's phases (`streambox.phases`) into requests.csv: one column
 per phase, in ms, adding up to the system's own latency of the request; the first request, which
-starts the function instances, has a cold start phase, the later warm ones none."""
+starts the function instances (`prewarm=0`: none started at deploy), has a cold start phase, the
+later warm ones none."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def test_requests_csv_has_phases_that_add_up(tmp_path):
     result = run_replay(
         system="streambox",
         out=tmp_path / "run",
-        system_options={"keep_alive_s": "60", "device_mode": "timed"},
+        system_options={"keep_alive_s": "60", "device_mode": "timed", "prewarm": "0"},
         workflow="image-processing",
         minutes=30,
         minute_seconds=0.05,

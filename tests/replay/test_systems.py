@@ -47,6 +47,18 @@ def test_the_resolved_settings_are_what_config_json_shows() -> None:
     assert device["device_mode"] == "functional"
 
 
+@pytest.mark.parametrize("system", ["streambox", "stream-only", "infless", "astraea"])
+def test_every_system_prewarms_one_instance_per_function_at_deploy_unless_told(system: str) -> None:
+    settings = resolve_system(system, SystemRequest(system, ("traffic",))).describe()["settings"]
+    assert settings["prewarm"] == 1 and "deploy" in settings["startup"]
+    request = SystemRequest(system, ("traffic",), options={"prewarm": "0"})
+    target = resolve_system(system, request)
+    assert target.describe()["settings"]["prewarm"] == 0
+    if system in ("streambox", "stream-only"):  # what the proxy is started with
+        assert "fork at their first request" in target.settings["startup"]
+        assert target.invoker_options == {"prewarm": "0"}
+
+
 @pytest.mark.parametrize(
     ("system", "options", "message"),
     [
@@ -55,6 +67,7 @@ def test_the_resolved_settings_are_what_config_json_shows() -> None:
         ("stream-only", {"bt": "off"}, "bt: switches of the IO daemon, which is off here"),
         ("infless", {"pool_mode": "fm"}, r"infless: unknown options \['pool_mode'\]"),
         ("infless", {"prewarm": "-1"}, "prewarm '-1' must be >= 0"),
+        ("stream-only", {"prewarm": "-1"}, "stream-only: proxy option: prewarm '-1' must be >= 0"),
         ("infless", {"gpu_percent": "101"}, "gpu_percent '101' must be <= 100"),
         ("streambox", {"gpus": "0"}, "streambox: gpus '0' must be >= 1"),
     ],

@@ -47,6 +47,12 @@ def _postprocess() -> tuple[Any, Any]:
     return build_ssdlite_postprocess()
 
 
+def warm_up() -> None:
+    """Run once where the handlers are imported (the proxy's template before it forks, an instance's
+    start): SSDlite's post-processing is built ahead of the first request, not during it."""
+    _postprocess()
+
+
 def feature_map_sizes(image_size: int) -> list[int]:
     """Sides of SSDlite's 6 feature maps: strides 16 and 32 of the backbone, then 4 stride-2 blocks
     (every stride-2 convolution has kernel 3 and padding 1, so a side s becomes ceil(s / 2))."""
