@@ -2,9 +2,10 @@
 each time forwarded no-op calls (function process -> proxy dispatcher -> back, the shared-memory
 channel) at the same time, N from 1 up to 48 (the paper's maximum: CUDA MPS's 48 clients per GPU).
 
-Each instance times its own calls (bench_proxy.py's `pingpong`); the table gives the median of the
-instances' p50s and the largest of their p99s per N, and the ratio to N = 1 measured in the same run. Every instance is a process and the dispatcher is one more, so where N
-exceeds the host's cores the calls also wait for a core: the machine line says how many there are.
+Each instance times its own calls (bench_proxy.py's `pingpong`); the table gives, per N, the median of
+the instances' p50s, the largest of their p99s, and the p50's ratio to N = 1 measured in the same run.
+Every instance is a process and the dispatcher is one more, so where N exceeds the host's cores the
+calls also wait for a core: the machine line says how many there are.
 """
 
 from __future__ import annotations
