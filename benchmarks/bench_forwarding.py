@@ -49,8 +49,16 @@ def concurrent_noops(proxy: ProxyProcess, concurrency: int, count: int, warmup: 
 
 
 def main() -> int:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    levels = (1, 4, 8) if args.quick else (1, 4, 8, 16, 32, 48)
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--levels",
+        default="1,4,8,16,32,48",
+        help="instances at once, comma-separated, starting at 1 (default 1,4,8,16,32,48)",
+    )
+    args = p.parse_args()
+    levels = tuple(int(n) for n in args.levels.split(","))
+    if levels[0] != 1 or min(levels) < 1:
+        p.error(f"--levels {args.levels}: the first must be 1 (the baseline) and every level at least 1")
     count, warmup = (200, 100) if args.quick else (1000, 300)
     work = Path(tempfile.mkdtemp(prefix="sbx-bench-forwarding-"))
     (work / "bench_proxy_handlers.py").write_text(HANDLERS)
@@ -86,7 +94,9 @@ def main() -> int:
         ],
     )
     print(f"machine: {os.cpu_count()} cores, load average after {os.getloadavg()[0]:.2f}")
-    write_json(args.json, "bench_forwarding", {"quick": args.quick, "channel": "shm"}, results)
+    write_json(
+        args.json, "bench_forwarding", {"quick": args.quick, "channel": "shm", "levels": levels}, results
+    )
     return 0
 
 

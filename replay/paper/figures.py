@@ -539,7 +539,7 @@ def figure_18(session: Session) -> FigureResult:
             "two functions at 50% at once, span: PTB (one context) performance / MPS (two contexts)",
             Source(partition, "results.pair_50.mps_span_s"),
             Source(partition, "results.pair_50.ptb_span_s"),
-            provenance="modelled (the timed emulated V100), host issue included",
+            provenance="modelled (the timed emulated V100; kernels queued behind a gate, median of repeats)",
         ),
         row_from(
             root,

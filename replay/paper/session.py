@@ -79,6 +79,7 @@ SMOKE_ARGS: dict[str, tuple[str, ...]] = {
     "bench_comm": ("--repeats", "3", "--rounds", "1"),
     "bench_io_daemon": ("--repeats", "1"),
     "bench_compile": ("--models", "resnet18", "--batches", "1", "--no-nvcc"),
+    "bench_forwarding": ("--levels", "1,4,8"),
 }
 
 
