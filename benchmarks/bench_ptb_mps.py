@@ -27,7 +27,7 @@ from _common import parser, print_table, write_json  # noqa: E402
 from streambox.api_proxy.partition import cu_cap_for  # noqa: E402
 from streambox.api_proxy.plan_program import PlanProgram  # noqa: E402
 from streambox.config import Config  # noqa: E402
-from streambox.device import Runtime  # noqa: E402
+from streambox.device import Runtime, Stream  # noqa: E402
 from streambox.kernel_compiler.model_pool import ModelPool  # noqa: E402
 from streambox.kernel_compiler.zoo import get_entry  # noqa: E402
 
@@ -39,19 +39,25 @@ def _noop() -> None:
     """Timed mode occupies the units for the kernel's modelled duration and does not call it."""
 
 
+def launch_all(lanes: list[tuple[Runtime, Stream]], program: PlanProgram, cu_cap: int | None) -> None:
+    """The program's compute kernels on every (runtime, stream) lane, kernel by kernel."""
+    for kernel in program.kernels:
+        if kernel.compute:
+            for runtime, lane in lanes:
+                runtime.launch(
+                    lane,
+                    _noop,
+                    blocks=kernel.blocks,
+                    cu_cap=cu_cap,
+                    name=kernel.kernel.name,
+                    duration_s=kernel.duration_s,
+                )
+
+
 def issue(runtime: Runtime, program: PlanProgram, cu_cap: int | None) -> None:
     """Launch the program's compute kernels on a stream of `runtime` and wait for them."""
     lane = runtime.create_stream()
-    for kernel in program.kernels:
-        if kernel.compute:
-            runtime.launch(
-                lane,
-                _noop,
-                blocks=kernel.blocks,
-                cu_cap=cu_cap,
-                name=kernel.kernel.name,
-                duration_s=kernel.duration_s,
-            )
+    launch_all([(runtime, lane)], program, cu_cap)
     lane.synchronize()
 
 
@@ -91,17 +97,7 @@ def gated_issue(lanes: list[tuple[Runtime, int]], program: PlanProgram, cu_cap: 
             lane = runtime.create_stream()
             lane.wait_event(opened)
             streams.append((runtime, lane))
-    for kernel in program.kernels:
-        if kernel.compute:
-            for runtime, lane in streams:
-                runtime.launch(
-                    lane,
-                    _noop,
-                    blocks=kernel.blocks,
-                    cu_cap=cu_cap,
-                    name=kernel.kernel.name,
-                    duration_s=kernel.duration_s,
-                )
+    launch_all(streams, program, cu_cap)
     issued = time.perf_counter()
     for _, lane in streams:
         lane.synchronize()
