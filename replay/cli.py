@@ -55,7 +55,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
         "--trace", help="trace file or folder (2019 invocations [+ durations, memory], or a 2021 log)"
     )
     p.add_argument(
-        "--workflow", default="traffic", help="workflow, or several separated by commas (default traffic)"
+        "--workflow",
+        default="traffic",
+        help="workflow, or several separated by commas (default traffic); NAME*N deploys N tenants of "
+        "NAME, each its own proxy or instances (traffic*3)",
     )
     p.add_argument(
         "--system", default="streambox",

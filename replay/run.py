@@ -41,6 +41,7 @@ from .shaping import (
     stable_seed,
 )
 from .target import FunctionProfile, SystemRequest, Target, resolve_system
+from .tenants import expand_tenants
 from .traces import Trace, load_trace
 
 SAMPLE_NAME = "azure2019-sample"
@@ -80,6 +81,11 @@ class ReplayConfig(SettingsModel):
     system_options: dict[str, Any] = Field(default_factory=dict)  # --set KEY=VALUE, to the system
     overwrite: bool = False
     progress: bool = True
+
+    @field_validator("workflows")
+    @classmethod
+    def _tenants_expanded(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return expand_tenants(value)  # `traffic*3`: three tenants (replay/tenants.py)
 
     @field_validator("select", "mapping", "spacing", "patterns")
     @classmethod

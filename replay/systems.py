@@ -58,6 +58,7 @@ from streambox.workflows.invoker import Invoker
 from streambox.workflows.spec import WorkflowSpec
 
 from .target import Outcome, SystemRequest
+from .tenants import tenant_of, tenant_spec_name
 
 #: The paper's keep-alive (10 minutes of trace time).
 PAPER_KEEP_ALIVE_S = 600.0
@@ -106,6 +107,10 @@ def load_workflow(name: str, small: bool) -> tuple[WorkflowSpec, Callable[[int],
     from streambox.workflows.examples import EXAMPLES, load_example, sample_event
     from streambox.workflows.validation import validate_file
 
+    base, tenant = tenant_of(name)
+    if tenant is not None:  # `traffic@2`: a deployment of its own (replay/tenants.py)
+        spec, make = load_workflow(base, small)
+        return spec.model_copy(update={"name": tenant_spec_name(spec.name, tenant)}), make
     if name in EXAMPLES:
         return load_example(name, small=small), lambda seed: sample_event(name, seed)
     path = Path(name)

@@ -119,6 +119,7 @@ class ProxyInvoker:
         self._ensure_housekeeping()
         admission = self.warm.admit(spec.name, time.monotonic(), self._device_loads())
         if not admission.evict and not admission.wait:
+            self._reserve(wf, admission.device)
             await self._start(wf, admission.device)
 
     async def invoke(
@@ -231,39 +232,54 @@ class ProxyInvoker:
     # -- proxies ---------------------------------------------------------------------------------
     async def _ensure_proxy(self, wf: _Deployed) -> bool:
         """Make the workflow's proxy warm; True if it had to be started for this call."""
-        if wf.client is not None and wf.proxy is not None and wf.proxy.alive:
-            return False
-        if wf.starting is None and wf.proxy is not None:  # it died: forget it, start a new one
-            await self._stop(wf)
-        if wf.starting is not None:
-            await asyncio.shield(wf.starting)
-            return True
-        while True:
+        while True:  # checked again after each wait: another request may have started it meanwhile
+            if wf.client is not None and wf.proxy is not None and wf.proxy.alive:
+                return False
+            if wf.starting is None and wf.proxy is not None:  # it died: forget it, start a new one
+                await self._stop(wf)
+            if wf.starting is not None:
+                await asyncio.shield(wf.starting)
+                return True
             admission = self.warm.admit(wf.spec.name, time.monotonic(), self._device_loads())
             if not admission.wait:
                 break
             await asyncio.sleep(0.01)  # every proxy on that GPU is busy: wait for one to go idle
-        for victim in admission.evict:
-            await self._stop(self._workflows[victim])
+        victims = [self._workflows[victim] for victim in admission.evict]
+        for victim in victims:  # give their slots up and take ours with no await in between
+            self.warm.remove(victim.spec.name)
+        self._reserve(wf, admission.device)
+        for victim in victims:
+            await self._stop(victim)
         await self._start(wf, admission.device)
         return True
 
+    def _reserve(self, wf: _Deployed, device: int) -> None:
+        """Hold the proxy's GPU slot from its admission on, busy: a concurrent admission counts it and
+        cannot evict it while it starts (else a GPU gets more proxies than it allows, and a request
+        finds its proxy unregistered). `_start` launches it."""
+        wf.starting = asyncio.get_running_loop().create_future()
+        now = time.monotonic()
+        self.warm.started(wf.spec.name, device, now)
+        self.warm.begin(wf.spec.name, now)
+
     async def _start(self, wf: _Deployed, device: int) -> None:
-        loop = asyncio.get_running_loop()
-        wf.starting = loop.create_future()
+        assert wf.starting is not None, "_reserve first"
+        name = wf.spec.name
         try:
             config = wf.config.with_overrides(device=device)
             wf.proxy = await asyncio.to_thread(launch_proxy, config)
             wf.client = AsyncProxyClient(wf.proxy.address)
-            self.warm.started(wf.spec.name, device, time.monotonic())
             self.proxy_starts += 1
             wf.starting.set_result(None)
         except BaseException as exc:
+            self.warm.remove(name)
             wf.starting.set_exception(exc)
             wf.starting.exception()  # retrieved: waiters re-raise it
             raise
         finally:
             wf.starting = None
+            if name in self.warm.warm():
+                self.warm.end(name, time.monotonic())
 
     async def _stop(self, wf: _Deployed) -> None:
         self.warm.remove(wf.spec.name)

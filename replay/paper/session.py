@@ -58,12 +58,28 @@ FULL = ReplaySize(WORKFLOWS, minutes=30, scale=0.5, functions=6)
 #: CI-sized: one workflow, a handful of requests.
 QUICK = ReplaySize(("traffic",), minutes=10, scale=0.5, functions=3, max_requests=3)
 
+#: Fig. 19: users (tenants) of Traffic sharing one GPU, each its own deployment; two trace functions a
+#: user, so that every user has its own arrivals.
+TENANT_USERS = (3, 6)
+QUICK_TENANT_USERS = (2, 3)
+
+
+def tenant_size(users: int, quick: bool) -> ReplaySize:
+    """The replay of `users` tenants of Traffic (replay/tenants.py: `traffic*N`)."""
+    if quick:
+        return ReplaySize(
+            (f"traffic*{users}",), minutes=10, scale=0.5, functions=users, max_requests=3 * users
+        )
+    return ReplaySize((f"traffic*{users}",), minutes=10, scale=0.5, functions=2 * users)
+
+
 #: The benchmarks' arguments beyond --quick --json under `paper --quick` (CI-sized: seconds, not a minute).
 SMOKE_ARGS: dict[str, tuple[str, ...]] = {
     "bench_memory_pool": ("--functions", "3", "--duration", "6", "--ab-reps", "1"),
     "bench_comm": ("--repeats", "3", "--rounds", "1"),
     "bench_io_daemon": ("--repeats", "1"),
     "bench_compile": ("--models", "resnet18", "--batches", "1", "--no-nvcc"),
+    "bench_forwarding": ("--levels", "1,4,8"),
 }
 
 
@@ -86,6 +102,7 @@ class Session:
     reuse: bool = False  # take the measurements already in `out` when they are of the same size
     load_at_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
     _comparison: dict[str, Path] | None = field(default=None, init=False)
+    _tenants: dict[int, dict[str, Path]] = field(default_factory=dict, init=False)
     _benchmarks: dict[str, Path] = field(default_factory=dict, init=False)
 
     @property
@@ -95,38 +112,48 @@ class Session:
     def comparison(self) -> dict[str, Path]:
         """system -> run directory of the one replay comparison (out/replay/<system>), run on first use;
         the report's plots go to out/replay/report."""
-        if self._comparison is None and self.reuse:
-            self._comparison = self._reused_comparison()
         if self._comparison is None:
-            from ..run import run_comparison
-
-            results, _ = run_comparison(
-                self.systems,
-                out=self.out / "replay",
-                overwrite=True,
-                progress=self.progress,
-                **self.size.options(),
-            )
-            self._comparison = {r.config.system: r.run_dir for r in results}
+            self._comparison = self._compare(self.out / "replay", self.size)
         return self._comparison
 
-    def _reused_comparison(self) -> dict[str, Path] | None:
-        """The comparison already in out/replay when every system has a finished run of this size."""
-        wanted = self.size.options()
+    def tenants(self, users: int) -> dict[str, Path]:
+        """system -> run directory of `users` tenants of Traffic on one GPU (out/tenants<N>/<system>)."""
+        if users not in self._tenants:
+            self._tenants[users] = self._compare(self.out / f"tenants{users}", tenant_size(users, self.quick))
+        return self._tenants[users]
+
+    def _compare(self, folder: Path, size: ReplaySize) -> dict[str, Path]:
+        """Every system replayed on the same arrivals of `size` into folder/<system> (report plots in
+        folder/report), or the runs already there under --reuse."""
+        reused = self._reused_comparison(folder, size) if self.reuse else None
+        if reused is not None:
+            return reused
+        from ..run import run_comparison
+
+        results, _ = run_comparison(
+            self.systems, out=folder, overwrite=True, progress=self.progress, **size.options()
+        )
+        return {r.config.system: r.run_dir for r in results}
+
+    def _reused_comparison(self, folder: Path, size: ReplaySize) -> dict[str, Path] | None:
+        """The comparison already in `folder` when every system has a finished run of this size."""
+        from ..tenants import expand_tenants
+
+        wanted = size.options()
         runs = {}
         for system in self.systems:
-            config_file = self.out / "replay" / system / "config.json"
+            config_file = folder / system / "config.json"
             if not (config_file.parent / "summary.json").exists():
                 return None
             config = json.loads(config_file.read_text())["config"]
-            same = ",".join(config["workflows"]) == wanted["workflow"] and all(
+            same = tuple(config["workflows"]) == expand_tenants(wanted["workflow"].split(",")) and all(
                 config[k] == wanted[k] for k in ("minutes", "scale", "functions", "max_requests", "select")
             )
             if not same:
                 print(f"not reusing {config_file.parent}: another replay size", flush=True)
                 return None
             runs[system] = config_file.parent
-        print(f"reusing the replay comparison in {self.out / 'replay'}", flush=True)
+        print(f"reusing the replay comparison in {folder}", flush=True)
         return runs
 
     def machine_note(self) -> str:
@@ -177,10 +204,10 @@ class Session:
     def bench_results(self, name: str) -> dict[str, Any]:
         return json.loads(self.benchmark(name).read_text())["results"]
 
-    def copy_plots(self, names: Sequence[str], into: Path) -> list[Path]:
-        """The replay report's plots `names` copied into a figure's folder."""
+    def copy_plots(self, names: Sequence[str], into: Path, replay: str = "replay") -> list[Path]:
+        """The plots `names` of the report of out/`replay` copied into a figure's folder."""
         into.mkdir(parents=True, exist_ok=True)
-        report = self.out / "replay" / "report"
+        report = self.out / replay / "report"
         copied = []
         for name in names:
             source = report / f"{name}.png"

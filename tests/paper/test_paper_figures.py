@@ -114,12 +114,28 @@ def test_the_replay_figures_quick_share_one_comparison(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("figure", [f for f in FIGURES if f not in {"12", "13", "14", "15"}])
+@pytest.mark.parametrize("figure", [f for f in FIGURES if f not in {"12", "13", "14", "15", "19"}])
 def test_a_benchmark_figure_quick_writes_its_plots_and_a_measured_table(tmp_path: Path, figure: str) -> None:
     out = tmp_path / "paper"
     assert main(["paper", figure, "--quick", "--out", str(out)]) == 0
     assert not (out / "replay").exists()  # a benchmark figure runs no replay
     _check_figures(out, [figure])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # two tenant counts, two systems: four replays
+def test_the_users_figure_quick_replays_each_tenant_count(tmp_path: Path) -> None:
+    out = tmp_path / "paper"
+    args = ["paper", "19", "--quick", "--no-progress", "--out", str(out)]
+    args += ["--systems", "streambox,stream-only"]
+    assert main(args) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["fig19", "tenants2", "tenants3"]
+    config = json.loads((out / "tenants3" / "streambox" / "config.json").read_text())["config"]
+    assert config["workflows"] == ["traffic@1", "traffic@2", "traffic@3"]
+    _check_figures(out, ["19"])
+    measured = {p: p.stat().st_mtime_ns for p in out.glob("tenants*/*/summary.json")}
+    assert main([*args, "--reuse"]) == 0  # the table again from the same runs, none replayed
+    assert {p: p.stat().st_mtime_ns for p in measured} == measured
 
 
 def test_a_figure_that_cannot_be_built_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

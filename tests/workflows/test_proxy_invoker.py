@@ -79,3 +79,25 @@ def test_engine_runs_workflows_through_proxies_with_at_most_one_warm_per_gpu(tmp
             await engine.close()
 
     asyncio.run(scenario())
+
+
+def test_concurrent_requests_of_more_workflows_than_slots_take_turns_on_the_gpu(tmp_path):
+    """Three workflows, one slot: requests to all three at once wait for the slot instead of starting a
+    second proxy on the GPU (a proxy counts from its admission, busy while it starts)."""
+    (tmp_path / "invoker_test_handlers.py").write_text(HANDLERS)
+    config = Config.from_env().with_overrides(state_dir=tmp_path / "state")
+
+    async def scenario() -> None:
+        invoker = ProxyInvoker(config, max_proxies_per_device=1, proxy_options={"prefork": 0})
+        engine = Engine(invoker)
+        try:
+            for name in ("a", "b", "c"):
+                await engine.deploy(_spec(name, tmp_path))
+            results = await asyncio.gather(*(engine.run(name, {"scale": 1}) for name in ("a", "b", "c", "b")))
+            assert [r.error for r in results if not r.ok] == []
+            assert all(r.output == {"sum": 15.0} for r in results)
+            assert len(invoker.warm.warm()) == 1
+        finally:
+            await engine.close()
+
+    asyncio.run(scenario())
