@@ -33,6 +33,7 @@ import torch
 from streambox.api_proxy.device_tensor import DeviceTensor, download_tensor, upload_tensor
 from streambox.api_proxy.executor import DeviceModel, PlanExecutor, StreamPoolAllocator, upload_model
 from streambox.comm.errors import GetTimeout  # one GET-timeout error in every runtime
+from streambox.comm.store_protocol import check_put_args
 from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.model_pool import ModelPool
@@ -98,8 +99,7 @@ class LocalStore:
         consumers: int | None = None,
         ttl: float | None = None,
     ) -> None:
-        if consumers is not None and consumers < 1:
-            raise ValueError(f"consumers must be >= 1 or None, got {consumers}")
+        check_put_args(key, consumers)  # the same PUT rules as the proxy's stores
         now = time.monotonic()
         with self._cond:
             if request_id in self._ended:

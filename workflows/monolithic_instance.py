@@ -35,6 +35,7 @@ from streambox.api_proxy.executor import DeviceModel
 from streambox.api_proxy.template import warm_up_modules
 from streambox.comm.baselines import FuncIpc
 from streambox.comm.handle import Allocator
+from streambox.comm.store_protocol import check_put_args
 from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.plan import KernelPlan
@@ -129,8 +130,7 @@ class RedisStore:
         consumers: int | None = None,
         ttl: float | None = None,
     ) -> None:
-        if consumers is not None and consumers < 1:
-            raise ValueError(f"consumers must be >= 1 or None, got {consumers}")
+        check_put_args(key, consumers)  # the same PUT rules as the proxy's stores
         ended = ended_key(self.workflow, request_id)
         if (verdict := self._check(keys=[meta_key(key), ended]).decode()) != "ok":
             raise StoreError(self._refusal(key, request_id, verdict))

@@ -51,6 +51,7 @@ from streambox.api_proxy.device_tensor import DeviceTensor
 from streambox.comm.baselines import CudaIpcModel, busy_wait
 from streambox.comm.errors import GetTimeout
 from streambox.comm.handle import Allocator
+from streambox.comm.store_protocol import check_put_args
 from streambox.device import Event, Runtime, Stream
 
 from .local import StoreError
@@ -194,8 +195,7 @@ class IpcHandleStore:
         consumers: int | None = None,
         ttl: float | None = None,
     ) -> None:
-        if consumers is not None and consumers < 1:
-            raise ValueError(f"consumers must be >= 1 or None, got {consumers}")
+        check_put_args(key, consumers)  # the same PUT rules as the proxy's stores
         self.reap()
         ready.synchronize()  # the producer's kernels are done before the handle is published
         segment = None if self._timed else self._mirror(handle)
