@@ -70,7 +70,7 @@ from streambox.comm.baselines import CudaIpcModel, RedisServer, RedisUnavailable
 from streambox.config import Config
 from streambox.phases import COLD_START, QUEUE
 
-from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
+from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats, deployed
 from .local import _json_copy
 from .monolithic_ipc import HandleRegistry
 from .spec import WorkflowSpec
@@ -302,9 +302,7 @@ class MonolithicInvoker:
         timeout_s: float | None = None,
     ) -> InvocationResult:
         started = time.perf_counter()
-        wf = self._workflows.get(workflow)
-        if wf is None:
-            raise KeyError(f"workflow {workflow!r} is not deployed; deployed: {', '.join(self._workflows)}")
+        wf = deployed(self._workflows, workflow)
         fn = wf.functions.get(function)
         if fn is None:
             raise KeyError(
