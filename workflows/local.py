@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,7 +40,7 @@ from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.sdk import GET_TIMEOUT_S
 
 from .handlers import Handler, resolve_handler
-from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
+from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats, deployed
 from .spec import WorkflowSpec
 
 SYSTEMS = ("streambox", "stream-only")
@@ -53,17 +53,36 @@ class StoreError(RuntimeError):
     """A put/get/delete the store refuses (ended request, tensor not owned, unknown key)."""
 
 
+class Got(NamedTuple):
+    """What a function-side store's GET returns (`comm.store_protocol.KeyStore`)."""
+
+    tensor: DeviceTensor
+    consumed: bool  # this GET took the key's last consumer: the reader owns the tensor now
+    copy: bool  # a private copy made for this GET on the reader's stream (the reader frees it)
+    ready: Event | None  # the reader's stream waits for it before using the tensor (None: no wait)
+
+
+def ready_event(runtime: Runtime, stream: Stream | None) -> Event | None:
+    """An event recorded on the producer's `stream` now (None: no stream, the bytes are ready)."""
+    if stream is None:
+        return None
+    ready = runtime.create_event(timing=False)
+    ready.record(stream)
+    return ready
+
+
 @dataclass
 class _Entry:
     handle: DeviceTensor
-    ready: Event  # recorded on the producer's stream at put: consumers wait on it
-    request_id: str
+    ready: Event | None  # recorded on the producer's stream at put: consumers wait on it
+    request_id: str | None
     consumers: int | None  # gets left before the entry is consumed; None = until deleted
     expires: float | None
 
 
 class LocalStore:
-    """Keys to device tensors of one workflow (dict-backed PUT/GET; same device: no copy)."""
+    """Keys to device tensors of one workflow (dict-backed PUT/GET; same device: no copy).
+    A `comm.store_protocol.KeyStore`."""
 
     def __init__(self, runtime: Runtime, allocator: StreamPoolAllocator) -> None:
         self._runtime = runtime
@@ -83,7 +102,8 @@ class LocalStore:
             return sum(e.handle.nbytes for e in self._entries.values())
 
     def _free(self, entry: _Entry) -> None:
-        self._stream.wait_event(entry.ready)
+        if entry.ready is not None:
+            self._stream.wait_event(entry.ready)
         self._allocator.free(entry.handle.address, self._stream)
 
     def _expire(self, now: float) -> None:
@@ -93,26 +113,32 @@ class LocalStore:
     def put(
         self,
         key: str,
-        handle: DeviceTensor,
-        ready: Event,
-        request_id: str,
+        value: DeviceTensor,
+        *,
         consumers: int | None = None,
         ttl: float | None = None,
+        stream: Stream | None = None,
+        owner: str | None = None,
     ) -> None:
+        """Store `value` (the store owns it from now on) under `key`; `owner`: the request whose end
+        drops the key (None: kept until deleted or expired)."""
         check_put_args(key, consumers)  # the same PUT rules as the proxy's stores
+        ready = ready_event(self._runtime, stream)
         now = time.monotonic()
         with self._cond:
-            if request_id in self._ended:
-                raise StoreError(f"request {request_id} has ended: PUT of key {key!r} refused")
+            if owner in self._ended:
+                raise StoreError(f"request {owner} has ended: PUT of key {key!r} refused")
             self._expire(now)
             if key in self._entries:
                 raise StoreError(f"key {key!r} is already stored; delete it first")
             expires = now + ttl if ttl is not None else None
-            self._entries[key] = _Entry(handle, ready, request_id, consumers, expires)
+            self._entries[key] = _Entry(value, ready, owner, consumers, expires)
             self._cond.notify_all()
 
-    def get(self, key: str, timeout: float) -> tuple[_Entry, bool]:
-        """The entry, and whether this GET consumed it (the caller then owns the tensor)."""
+    def get(self, key: str, *, timeout: float | None = None, stream: Stream | None = None) -> Got:
+        """The key's tensor itself (no copy: `stream` is not used), waiting up to `timeout` seconds
+        for its PUT."""
+        timeout = DEFAULT_GET_TIMEOUT_S if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -124,21 +150,22 @@ class LocalStore:
                 if left <= 0:
                     raise GetTimeout(key, timeout, "nothing put it")
                 self._cond.wait(left)
-            if entry.consumers is None:
-                return entry, False
-            entry.consumers -= 1
-            if entry.consumers == 0:
-                del self._entries[key]
-                return entry, True
-            return entry, False
+            consumed = False
+            if entry.consumers is not None:
+                entry.consumers -= 1
+                consumed = entry.consumers == 0
+                if consumed:
+                    del self._entries[key]
+            return Got(entry.handle, consumed, False, entry.ready)
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str) -> bool:
         with self._cond:
             entry = self._entries.pop(key, None)
             if entry is None:
-                raise StoreError(f"DELETE of key {key!r}: no such key")
+                return False
             self._free(entry)
         self._stream.synchronize()
+        return True
 
     def end_request(self, request_id: str) -> int:
         """Free what the request left stored; refuse its later puts. Returns how many keys went."""
@@ -237,6 +264,7 @@ class LocalContext:
         self._wf = wf
         self._stream = stream
         self._owned: dict[int, DeviceTensor] = {}  # tensors this invocation must free at its end
+        self._copies: dict[int, DeviceTensor] = {}  # GETs' private copies: freed at its end, not puttable
         self.function = function
         self.request_id = request_id
         self.workflow = wf.spec.name
@@ -289,18 +317,24 @@ class LocalContext:
                 f"PUT of key {key!r}: only a tensor this invocation made (upload, infer) or consumed "
                 "(a GET that used up its last consumer) can be put"
             )
-        ready = self._wf.runtime.create_event(timing=False)
-        ready.record(self._stream)
-        self._wf.store.put(key, handle, ready, self.request_id, consumers, ttl)
+        self._wf.store.put(
+            key, handle, consumers=consumers, ttl=ttl, stream=self._stream, owner=self.request_id
+        )
         del self._owned[handle.address]  # the store owns it now
 
     def get(self, key: str, timeout: float = DEFAULT_GET_TIMEOUT_S) -> DeviceTensor:
-        entry, consumed = self._wf.store.get(key, timeout)
-        self._stream.wait_event(entry.ready)  # the producer's kernels come first
-        return self._own(entry.handle) if consumed else entry.handle
+        got = self._wf.store.get(key, timeout=timeout, stream=self._stream)
+        if got.ready is not None:
+            self._stream.wait_event(got.ready)  # the producer's kernels come first
+        if got.consumed:
+            return self._own(got.tensor)
+        if got.copy:  # a private copy not taken from the store: freed at the end, not puttable
+            self._copies[got.tensor.address] = got.tensor
+        return got.tensor
 
     def delete(self, key: str) -> None:
-        self._wf.store.delete(key)
+        if not self._wf.store.delete(key):
+            raise StoreError(f"DELETE of key {key!r}: no such key")
 
     def synchronize(self) -> None:
         """Wait for this invocation's own work (its stream), not the whole device."""
@@ -308,9 +342,10 @@ class LocalContext:
 
     def finish(self) -> None:
         """Free what the invocation still owns (stream-ordered) and wait for its stream."""
-        for handle in self._owned.values():
+        for handle in [*self._owned.values(), *self._copies.values()]:
             self._wf.allocator.free(handle.address, self._stream)
         self._owned.clear()
+        self._copies.clear()
         self._stream.synchronize()
 
 
@@ -385,7 +420,7 @@ class LocalInvoker:
         timeout_s: float | None = None,
     ) -> InvocationResult:
         started = time.perf_counter()
-        wf = self._workflows[workflow]
+        wf = deployed(self._workflows, workflow)
         event = _json_copy(event, f"the event of {function!r}")
         instance, cold = await self._acquire(wf, function)
         loop = asyncio.get_running_loop()

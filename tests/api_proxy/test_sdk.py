@@ -57,10 +57,9 @@ def test_every_runtime_context_offers_the_sdk_protocol_with_one_get_timeout():
     from streambox.api_proxy.client import ProxyContext
     from streambox.sdk import GET_TIMEOUT_S, Context
     from streambox.workflows.local import LocalContext
-    from streambox.workflows.monolithic_instance import MonolithicContext
 
     calls = ("key", "upload", "download", "infer", "put", "get", "delete", "synchronize")
-    for cls in (ProxyContext, LocalContext, MonolithicContext):
+    for cls in (ProxyContext, LocalContext):  # LocalContext serves the monolithic instances too
         missing = [name for name in calls if not callable(getattr(cls, name, None))]
         assert missing == [], f"{cls.__name__} lacks {missing}"
         assert inspect.signature(cls.get).parameters["timeout"].default == GET_TIMEOUT_S == 10.0
