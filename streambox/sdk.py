@@ -45,7 +45,8 @@ class Context(Protocol):
     `key(name)` are scoped to the request and dropped when it ends. `put` hands the tensor over
     without a copy (the store owns it afterwards); `get` waits up to `timeout` seconds for the key's
     PUT, and later work of this invocation waits for the producer's; `synchronize` waits for this
-    invocation's own work only (never the whole device).
+    invocation's own work only (never the whole device). A GET that times out raises a
+    `TimeoutError` in every runtime (the proxy's `KeyNotFound`, run-local's `GetTimeout`).
     """
 
     workflow: str

@@ -68,6 +68,14 @@ def test_every_runtime_context_offers_the_sdk_protocol_with_one_get_timeout():
     assert streambox.Context is Context
 
 
+def test_a_get_timeout_is_a_timeout_error_in_every_runtime():
+    from streambox.api_proxy.errors import KeyNotFound, decode_error
+    from streambox.comm.errors import GetTimeout
+
+    assert issubclass(GetTimeout, TimeoutError) and issubclass(KeyNotFound, TimeoutError)
+    assert isinstance(decode_error(["KeyNotFound", "GET 'k': no data"]), TimeoutError)
+
+
 def test_errors_cross_the_wire_structured():
     from streambox.api_proxy.errors import FunctionFailed, decode_error, encode_error, with_fields
 
