@@ -31,9 +31,12 @@ from typing import Any, NamedTuple
 import torch
 
 from streambox.api_proxy.device_tensor import DeviceTensor, download_tensor, upload_tensor
+from streambox.api_proxy.errors import IsolationError
 from streambox.api_proxy.executor import DeviceModel, PlanExecutor, StreamPoolAllocator, upload_model
+from streambox.api_proxy.handles import Handle
 from streambox.comm.errors import GetTimeout  # one GET-timeout error in every runtime
 from streambox.comm.store_protocol import check_put_args
+from streambox.comm.tables import dtype_name, parse_dtype
 from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.model_pool import ModelPool
@@ -258,13 +261,17 @@ class _LocalWorkflow:
 
 
 class LocalContext:
-    """The `ctx` of a handler in run-local mode: `streambox.Context`, over this process's device."""
+    """The `ctx` of a handler in run-local mode: `streambox.Context`, over this process's device.
+
+    Its handles are `streambox.Handle`s, as behind the proxy: each names a tensor this invocation was
+    handed (upload, infer, GET) and is checked against them when it comes back."""
 
     def __init__(self, wf: _LocalWorkflow, function: str, stream: Stream, request_id: str) -> None:
         self._wf = wf
         self._stream = stream
         self._owned: dict[int, DeviceTensor] = {}  # tensors this invocation must free at its end
         self._copies: dict[int, DeviceTensor] = {}  # GETs' private copies: freed at its end, not puttable
+        self._seen: dict[int, DeviceTensor] = {}  # every tensor handed to the handler, by address
         self.function = function
         self.request_id = request_id
         self.workflow = wf.spec.name
@@ -275,62 +282,80 @@ class LocalContext:
             raise ValueError(f"a key name is a non-empty string, got {name!r}")
         return f"{self._wf.spec.name}/{self.request_id}/{name}"
 
-    def _own(self, handle: DeviceTensor) -> DeviceTensor:
-        self._owned[handle.address] = handle
-        return handle
+    def _handle(self, tensor: DeviceTensor, owned: bool = False) -> Handle:
+        """The handler's `Handle` of `tensor` (remembered, so that it is accepted back)."""
+        if owned:
+            self._owned[tensor.address] = tensor
+        self._seen[tensor.address] = tensor
+        layout = (dtype_name(tensor.dtype), tensor.shape, tensor.strides, tensor.nbytes)
+        return Handle(self.workflow, tensor.address, *layout)
 
-    def upload(self, tensor: torch.Tensor) -> DeviceTensor:
+    def _tensor(self, handle: Any, what: str) -> DeviceTensor:
+        """The device tensor a handle from the handler names, or an error saying why it names none."""
+        try:
+            h = Handle.from_wire(handle)
+        except TypeError as error:
+            raise TypeError(f"{what} takes a device-tensor handle: {error}") from None
+        if h.workflow != self.workflow:
+            raise IsolationError(
+                f"{what}: the handle belongs to workflow {h.workflow!r}, not {self.workflow!r}"
+            )
+        known = self._seen.get(h.address)
+        if known is None or h.nbytes > known.nbytes:
+            raise StoreError(
+                f"{what}: handle {h.address:#x} ({h.nbytes} bytes) names no tensor this invocation made, "
+                "got or still holds"
+            )
+        return DeviceTensor(h.address, parse_dtype(h.dtype), h.shape, h.strides, h.nbytes)
+
+    def upload(self, tensor: torch.Tensor) -> Handle:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
             raise TypeError(f"upload takes a CPU torch tensor, got {type(tensor).__name__}")
-        return self._own(upload_tensor(self._wf.runtime, tensor, self._wf.allocator.allocate, self._stream))
+        uploaded = upload_tensor(self._wf.runtime, tensor, self._wf.allocator.allocate, self._stream)
+        return self._handle(uploaded, owned=True)
 
-    def download(self, handle: DeviceTensor) -> torch.Tensor:
-        if not isinstance(handle, DeviceTensor):
-            raise TypeError(f"download takes a device tensor handle, got {type(handle).__name__}")
-        return download_tensor(self._wf.runtime, handle, self._stream)
+    def download(self, handle: Handle) -> torch.Tensor:
+        return download_tensor(self._wf.runtime, self._tensor(handle, "download"), self._stream)
 
-    def infer(self, model: str, x: DeviceTensor | torch.Tensor) -> list[DeviceTensor]:
+    def infer(self, model: str, x: Handle | torch.Tensor) -> list[Handle]:
         declared = self._wf.spec.functions[self.function].models
         if model not in declared:
             raise ValueError(
                 f"function {self.function!r} did not declare model {model!r} (declared: {declared})"
             )
-        if isinstance(x, torch.Tensor):
-            x = self.upload(x)
-        if not isinstance(x, DeviceTensor):
-            raise TypeError(f"infer takes a device tensor handle or a CPU tensor, got {type(x).__name__}")
+        tensor = self._tensor(self.upload(x) if isinstance(x, torch.Tensor) else x, "infer")
         want = self._wf.model_pool.entry(model).input_dtype
-        if x.dtype != want or len(x.shape) < 2:
+        if tensor.dtype != want or len(tensor.shape) < 2:
             raise ValueError(
-                f"model {model!r} takes a batch of {want} inputs [B, ...], got {x.dtype} {list(x.shape)}"
+                f"model {model!r} takes a batch of {want} inputs [B, ...], got {tensor.dtype} "
+                f"{list(tensor.shape)}"
             )
-        resident = self._wf.model(model, x.shape[0], tuple(x.shape[1:]))
+        resident = self._wf.model(model, tensor.shape[0], tuple(tensor.shape[1:]))
         plan = resident.plan
-        run = self._wf.executor.run(resident, {plan.inputs[0]: x}, self._stream)
-        return [self._own(run.outputs[name]) for name in plan.outputs]
+        run = self._wf.executor.run(resident, {plan.inputs[0]: tensor}, self._stream)
+        return [self._handle(run.outputs[name], owned=True) for name in plan.outputs]
 
-    def put(
-        self, key: str, handle: DeviceTensor, consumers: int | None = None, ttl: float | None = None
-    ) -> None:
-        if self._owned.get(getattr(handle, "address", None)) is not handle:
+    def put(self, key: str, handle: Handle, consumers: int | None = None, ttl: float | None = None) -> None:
+        tensor = self._tensor(handle, f"PUT of key {key!r}")
+        if tensor.address not in self._owned:
             raise StoreError(
                 f"PUT of key {key!r}: only a tensor this invocation made (upload, infer) or consumed "
                 "(a GET that used up its last consumer) can be put"
             )
         self._wf.store.put(
-            key, handle, consumers=consumers, ttl=ttl, stream=self._stream, owner=self.request_id
+            key, tensor, consumers=consumers, ttl=ttl, stream=self._stream, owner=self.request_id
         )
-        del self._owned[handle.address]  # the store owns it now
+        del self._owned[tensor.address]  # the store owns it now (the handler may still read it)
 
-    def get(self, key: str, timeout: float = DEFAULT_GET_TIMEOUT_S) -> DeviceTensor:
+    def get(self, key: str, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Handle:
         got = self._wf.store.get(key, timeout=timeout, stream=self._stream)
         if got.ready is not None:
             self._stream.wait_event(got.ready)  # the producer's kernels come first
         if got.consumed:
-            return self._own(got.tensor)
+            return self._handle(got.tensor, owned=True)
         if got.copy:  # a private copy not taken from the store: freed at the end, not puttable
             self._copies[got.tensor.address] = got.tensor
-        return got.tensor
+        return self._handle(got.tensor)
 
     def delete(self, key: str) -> None:
         if not self._wf.store.delete(key):
@@ -346,6 +371,7 @@ class LocalContext:
             self._wf.allocator.free(handle.address, self._stream)
         self._owned.clear()
         self._copies.clear()
+        self._seen.clear()
         self._stream.synchronize()
 
 
