@@ -74,6 +74,24 @@ def ready_event(runtime: Runtime, stream: Stream | None) -> Event | None:
     return ready
 
 
+def poll_get(
+    key: str, timeout: float | None, attempt: Callable[[], Got | None], first_s: float, most_s: float
+) -> Got:
+    """A GET by polling (the stores of other processes): `attempt()` until it returns a `Got`, waiting
+    `first_s` and then twice as long each time up to `most_s`; `GetTimeout` after `timeout` seconds
+    (None: the SDK's)."""
+    timeout = DEFAULT_GET_TIMEOUT_S if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    delay = first_s
+    while (got := attempt()) is None:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise GetTimeout(key, timeout, "nothing put it")
+        time.sleep(min(delay, left_s))
+        delay = min(delay * 2, most_s)
+    return got
+
+
 @dataclass
 class _Entry:
     handle: DeviceTensor

@@ -42,14 +42,13 @@ from streambox.kernel_compiler.plan import KernelPlan
 
 from .handlers import resolve_handler
 from .local import (
-    DEFAULT_GET_TIMEOUT_S,
-    GetTimeout,
     Got,
     LocalContext,
     LocalInvoker,
     StoreError,
     _json_copy,
     _LocalWorkflow,
+    poll_get,
     ready_event,
 )
 from .monolithic import decode_body, encode_message, ended_key, meta_key, request_set_key
@@ -170,31 +169,27 @@ class RedisStore:
         """A new device tensor (on `stream`; None: the store's) with the key's bytes, and whether
         this GET took the key's last consumer. Waits (polling) until someone puts the key, up to
         `timeout` seconds."""
-        timeout = DEFAULT_GET_TIMEOUT_S if timeout is None else timeout
-        stream = stream or self._stream
-        deadline = time.monotonic() + timeout
-        delay = 0.001
-        while True:
-            meta = self.client.hgetall(meta_key(key))
-            if meta:
-                try:
-                    received = self.ipc.get(key, self._runtime, self._allocator, stream)  # Redis -> device
-                except KeyError:
-                    received = None  # consumed or deleted meanwhile
-                if received is not None:
-                    left = int(self._claim(keys=[key, meta_key(key)], args=[key]))
-                    if left != -2:
-                        dtype = getattr(torch, meta[b"dtype"].decode().removeprefix("torch."))
-                        shape = tuple(json.loads(meta[b"shape"]))
-                        strides = tuple(json.loads(meta[b"strides"]))
-                        tensor = DeviceTensor(received.address, dtype, shape, strides, received.nbytes)
-                        return Got(tensor, left == 0, True, None)
-                    self._allocator.free(received.address, stream)  # its consumers were all taken
-            left_s = deadline - time.monotonic()
-            if left_s <= 0:
-                raise GetTimeout(key, timeout, "nothing put it")
-            time.sleep(min(delay, left_s))
-            delay = min(delay * 2, GET_POLL_MAX_S)
+        reader = stream or self._stream
+        return poll_get(key, timeout, lambda: self._take(key, reader), 0.001, GET_POLL_MAX_S)
+
+    def _take(self, key: str, stream: Stream) -> Got | None:
+        """One try of a GET: the key's bytes copied in and one consumer taken, or None."""
+        meta = self.client.hgetall(meta_key(key))
+        if not meta:
+            return None
+        try:
+            received = self.ipc.get(key, self._runtime, self._allocator, stream)  # Redis -> device
+        except KeyError:
+            return None  # consumed or deleted meanwhile
+        left = int(self._claim(keys=[key, meta_key(key)], args=[key]))
+        if left == -2:
+            self._allocator.free(received.address, stream)  # its consumers were all taken
+            return None
+        dtype = getattr(torch, meta[b"dtype"].decode().removeprefix("torch."))
+        shape = tuple(json.loads(meta[b"shape"]))
+        strides = tuple(json.loads(meta[b"strides"]))
+        tensor = DeviceTensor(received.address, dtype, shape, strides, received.nbytes)
+        return Got(tensor, left == 0, True, None)
 
     def delete(self, key: str) -> bool:
         return bool(int(self._delete(keys=[key, meta_key(key)], args=[key])))

@@ -49,12 +49,11 @@ import torch
 
 from streambox.api_proxy.device_tensor import DeviceTensor
 from streambox.comm.baselines import CudaIpcModel, busy_wait
-from streambox.comm.errors import GetTimeout
 from streambox.comm.lease import Allocator
 from streambox.comm.store_protocol import check_put_args
 from streambox.device import Runtime, Stream
 
-from .local import DEFAULT_GET_TIMEOUT_S, Got, StoreError
+from .local import Got, StoreError, poll_get
 
 #: How often an idle producer instance looks for retired keys to free.
 REAP_PERIOD_S = 0.005
@@ -248,24 +247,20 @@ class IpcHandleStore:
         """A private copy of the key's tensor in this runtime (on `stream`; None: the store's), and
         whether this GET took the key's last consumer. Waits until someone puts the key, up to
         `timeout` seconds."""
-        timeout = DEFAULT_GET_TIMEOUT_S if timeout is None else timeout
-        stream = stream or self._stream
-        deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while True:
-            self.reap()
-            claimed = self._claim(key)
-            if claimed is not None:
-                meta, segment, last = claimed
-                try:
-                    return Got(self._copy_in(meta, segment, stream), last, True, None)
-                finally:
-                    _detach(segment)
-            left_s = deadline - time.monotonic()
-            if left_s <= 0:
-                raise GetTimeout(key, timeout, "nothing put it")
-            time.sleep(min(delay, left_s))
-            delay = min(delay * 2, GET_POLL_MAX_S)
+        reader = stream or self._stream
+        return poll_get(key, timeout, lambda: self._take(key, reader), 0.0005, GET_POLL_MAX_S)
+
+    def _take(self, key: str, stream: Stream) -> Got | None:
+        """One try of a GET: a consumer claimed and the bytes copied in, or None."""
+        self.reap()
+        claimed = self._claim(key)
+        if claimed is None:
+            return None
+        meta, segment, last = claimed
+        try:
+            return Got(self._copy_in(meta, segment, stream), last, True, None)
+        finally:
+            _detach(segment)
 
     def _claim(self, key: str) -> tuple[dict[str, Any], shared_memory.SharedMemory | None, bool] | None:
         """Take one consumer of the key (mapping its segment first: the producer may free it as soon
