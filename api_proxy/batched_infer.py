@@ -38,8 +38,8 @@ from .batcher import Batch, Gatherer, Limits
 from .device_tensor import DeviceTensor
 from .errors import ProxyError
 from .executor import RunResult
+from .function_spec import ProxyFunction
 from .handles import Handle, contiguous_strides
-from .proxy_config import FunctionSpec
 from .waits import Offload, Wait
 
 if TYPE_CHECKING:
@@ -71,19 +71,19 @@ class Member:
         return inst.state != "dead" and inst.invocation is self.call.inv
 
 
-def limits_of(spec: FunctionSpec) -> Limits | None:
+def limits_of(spec: ProxyFunction) -> Limits | None:
     """The function's batching limits, or None when its infers run alone."""
     if spec.max_batch_size <= 1 or spec.max_queue_delay_s <= 0:
         return None
     return Limits(spec.max_batch_size, spec.max_queue_delay_s)
 
 
-def batch_sizes(spec: FunctionSpec) -> list[int]:
-    """The batch sizes a function's batches reach when every invocation brings `spec.batch` samples:
+def batch_sizes(spec: ProxyFunction) -> list[int]:
+    """The batch sizes a function's batches reach when every invocation brings `spec.batch_size` samples:
     the plans prepared at deploy (other totals are lowered on first use)."""
     if limits_of(spec) is None:
         return []
-    return list(range(2 * spec.batch, spec.max_batch_size + 1, spec.batch))
+    return list(range(2 * spec.batch_size, spec.max_batch_size + 1, spec.batch_size))
 
 
 def joinable(limits: Limits, inputs: list[DeviceTensor]) -> bool:

@@ -34,8 +34,9 @@ class UnknownHandle(ProxyError, LookupError):
     """A handle that names no live buffer of this proxy (freed, or never allocated here)."""
 
 
-class KeyNotFound(ProxyError, LookupError):
-    """A GET found no value under the key before its timeout; the message names the key."""
+class KeyNotFound(ProxyError, LookupError, TimeoutError):
+    """A GET found no value under the key before its timeout; the message names the key. A
+    `TimeoutError`, as run-local's `comm.errors.GetTimeout` is: handlers catch one type everywhere."""
 
 
 class KeyExists(ProxyError, LookupError):

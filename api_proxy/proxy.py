@@ -149,7 +149,7 @@ class ProxyServer:
         t = _now()
         for spec in cfg.functions:
             for model in spec.models:  # deploying: every model's weights and offline profile at hand
-                self.memory.ensure_profile(self.resources.load(model, spec.batch))
+                self.memory.ensure_profile(self.resources.load(model, spec.batch_size))
                 for size in batch_sizes(spec):  # the plans its batched infers reach
                     self.memory.ensure_profile(self.resources.load(model, size))
         self.resources.service.synchronize()

@@ -36,7 +36,6 @@ from streambox.config import (
     Config,
     Mechanisms,
     RunOptions,
-    SettingsModel,
     Tuning,
     build,
     check_keys,
@@ -44,6 +43,7 @@ from streambox.config import (
     option_name,
 )
 
+from .function_spec import ProxyFunction
 from .keepalive import DEFAULT_KEEP_ALIVE_S
 
 if TYPE_CHECKING:
@@ -59,39 +59,10 @@ __all__ = [
     "RECYCLERS",
     "SYSTEMS",
     "PROXY_OPTIONS",
-    "FunctionSpec",
+    "ProxyFunction",
     "ProxyConfig",
     "ablation_options",
 ]
-
-
-class FunctionSpec(SettingsModel):
-    """One function of a workflow: its handler (`module:function`) and the models it may run;
-    `gpu_percent` (None: the whole GPU) caps the compute units its kernels use (`api_proxy.partition`);
-    `max_batch_size` > 1 with `max_queue_delay_s` > 0 batches its invocations' infers."""
-
-    name: str
-    handler: str
-    models: tuple[str, ...] = ()
-    batch: int = Field(1, ge=1)
-    max_instances: int = Field(4, ge=1)
-    timeout_s: float = Field(30.0, gt=0)
-    gpu_percent: int | None = Field(None, ge=1, le=100)
-    # Batching (api_proxy/batched_infer.py): samples one batched inference holds, and how long an
-    # infer waits for other invocations' infers to join it (1 or 0: every infer runs alone).
-    max_batch_size: int = Field(1, ge=1)
-    max_queue_delay_s: float = Field(0.0, ge=0)
-
-    def __init__(self, *args: Any, **values: Any) -> None:
-        """Positional as the former dataclass: `FunctionSpec("name", "module:function", ...)`."""
-        super().__init__(**dict(zip(type(self).model_fields, args, strict=False)), **values)
-
-    @field_validator("handler")
-    @classmethod
-    def _module_function(cls, value: str) -> str:
-        if value.count(":") != 1 or value.startswith(":") or value.endswith(":"):
-            raise ValueError("is not 'module:function'")
-        return value
 
 
 class ProxyConfig(Mechanisms, Tuning):
@@ -99,7 +70,7 @@ class ProxyConfig(Mechanisms, Tuning):
     mechanisms (see the module doc)."""
 
     workflow: str
-    functions: tuple[FunctionSpec, ...]
+    functions: tuple[ProxyFunction, ...]
     device: int = Field(0, ge=0)
     channel: Literal["shm", "zmq"] = Field(default_factory=env_factory("channel", default="shm"))
     completion: Literal["poll", "sync"] = Field(default_factory=env_factory("completion", default="poll"))
@@ -211,7 +182,7 @@ class ProxyConfig(Mechanisms, Tuning):
             **self.tuning(),
         }
 
-    def function(self, name: str) -> FunctionSpec:
+    def function(self, name: str) -> ProxyFunction:
         for f in self.functions:
             if f.name == name:
                 return f

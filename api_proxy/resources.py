@@ -32,10 +32,10 @@ from .batched_infer import Batching
 from .buffers import BufferTable
 from .device_tensor import DeviceTensor
 from .errors import IsolationError, UnknownHandle, UnknownModel
+from .function_spec import ProxyFunction
 from .handles import DTYPES, Handle, contiguous_strides
 from .issuer import Issuer
 from .partition import cu_cap_for
-from .proxy_config import FunctionSpec
 from .proxy_memory import ProxyMemory
 from .state import Instance, Invocation
 from .waits import Offload, Wait
@@ -100,7 +100,7 @@ class Resources:
         self._wait_pool.shutdown(wait=True, cancel_futures=True)
         self._lower_pool.shutdown(wait=False, cancel_futures=True)
 
-    def cu_cap(self, spec: FunctionSpec) -> int | None:
+    def cu_cap(self, spec: ProxyFunction) -> int | None:
         """The compute-unit cap of `spec`'s kernels: its `gpu_percent` of this device (None: all)."""
         return cu_cap_for(spec.gpu_percent, self.compute_units)
 
@@ -128,12 +128,12 @@ class Resources:
             self.plans[key] = plan
         return plan
 
-    def function_plan(self, spec: FunctionSpec, model: str) -> KernelPlan:
+    def function_plan(self, spec: ProxyFunction, model: str) -> KernelPlan:
         if model not in spec.models:
             raise UnknownModel(
                 f"function {spec.name!r} declared models {list(spec.models)}; {model!r} is not among them"
             )
-        return self.load(model, spec.batch)
+        return self.load(model, spec.batch_size)
 
     def plan_for(self, model: str, batch: int, shape: tuple[int, ...]) -> Generator[Wait, Any, KernelPlan]:
         """The plan of (model, batch, shape): the proxy's, else read from the model pool or lowered on

@@ -9,7 +9,7 @@ from typing import Any
 from streambox.device import Stream
 from streambox.phases import PhaseClock
 
-from .proxy_config import FunctionSpec
+from .function_spec import ProxyFunction
 
 
 @dataclass(eq=False)
@@ -38,7 +38,7 @@ class Invocation:
 @dataclass(eq=False)
 class Instance:
     id: int
-    spec: FunctionSpec
+    spec: ProxyFunction
     stream: Stream
     state: str  # starting, busy, finishing, idle, stopping, dead
     created: float

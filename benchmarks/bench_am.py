@@ -37,7 +37,7 @@ from _common import parser, print_table, write_json  # noqa: E402
 from other_job import OtherJob  # noqa: E402
 
 from streambox.api_proxy.control import ProxyProcess, launch_proxy  # noqa: E402
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig  # noqa: E402
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction  # noqa: E402
 from streambox.device.specs import V100_16GB, LinkModel, MiB  # noqa: E402
 
 GPUS = 4
@@ -88,8 +88,8 @@ def _settle(proxy: ProxyProcess, moved_before: int, timeout_s: float = 10.0) -> 
 
 def run_setting(root: Path, am: bool, rounds: int, items: int, nbytes: int, job: OtherJob) -> dict[str, Any]:
     config = ProxyConfig(
-        workflow=WORKFLOW, functions=(FunctionSpec("produce", "am_handlers:produce"),
-                                      FunctionSpec("consume", "am_handlers:consume")),
+        workflow=WORKFLOW, functions=(ProxyFunction("produce", "am_handlers:produce"),
+                                      ProxyFunction("consume", "am_handlers:consume")),
         sys_path=(str(root),), state_dir=str(root / "state"), prefork=0, gpus=GPUS, device=0,
         device_mode="timed", am=am,
     )

@@ -192,28 +192,26 @@ def data_paths(redis: RedisServer | None, repeats: int, ipc_repeats: int) -> lis
                         if redis is not None else None)
         counter = iter(range(1 << 30))
 
-        def produced(nbytes: int) -> tuple[DeviceTensor, object]:
+        def produced(nbytes: int) -> DeviceTensor:
             address = allocs[0].allocate(nbytes, streams[0])
-            ready = rts[0].create_event(timing=False)
-            ready.record(streams[0])
-            return DeviceTensor(address, torch.uint8, (nbytes,), (1,), nbytes), ready
+            return DeviceTensor(address, torch.uint8, (nbytes,), (1,), nbytes)
 
         for size_mb in SIZES_MB:
             n = size_mb * MB
             row: dict = {"size_mb": size_mb}
 
             def streambox(n=n) -> None:
-                tensor, _ = produced(n)
+                tensor = produced(n)
                 key = f"sb/{next(counter)}"
                 store.put(key, tensor, device=0, consumers=1, stream=streams[0])
                 store.get(key, device=0).release()
 
             def instances(pair: list, n: int = n) -> None:  # producer instance -> consumer instance
-                tensor, ready = produced(n)
+                tensor = produced(n)
                 key = f"bench/r/{next(counter)}"
-                pair[0].put(key, tensor, ready, "r", consumers=1)
-                got, _ = pair[1].get(key, 5.0, streams[1])
-                allocs[1].free(got.address, streams[1])
+                pair[0].put(key, tensor, consumers=1, stream=streams[0], owner="r")  # ready: streams[0]
+                got = pair[1].get(key, timeout=5.0, stream=streams[1])
+                allocs[1].free(got.tensor.address, streams[1])
 
             row["streambox_s"] = _timed(streambox, repeats, lambda _: store.synchronize())
             row["astraea_s"] = _timed(lambda: instances(handles), repeats,

@@ -24,7 +24,7 @@ from _common import parser, print_table, write_json  # noqa: E402
 from bench_proxy import HANDLERS  # noqa: E402  (its `pingpong` times forwarded no-ops in the function)
 
 from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy  # noqa: E402
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig  # noqa: E402
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction  # noqa: E402
 
 
 def concurrent_noops(proxy: ProxyProcess, concurrency: int, count: int, warmup: int) -> dict[str, float]:
@@ -64,7 +64,7 @@ def main() -> int:
     (work / "bench_proxy_handlers.py").write_text(HANDLERS)
     config = ProxyConfig(
         workflow="bench-forwarding",
-        functions=(FunctionSpec("pingpong", "bench_proxy_handlers:pingpong", max_instances=max(levels)),),
+        functions=(ProxyFunction("pingpong", "bench_proxy_handlers:pingpong", max_instances=max(levels)),),
         sys_path=(str(work),),
         state_dir=str(work / "state"),
         channel="shm",

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, print_table, write_json  # noqa: E402
 
 from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy  # noqa: E402
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig  # noqa: E402
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction  # noqa: E402
 
 BIG, SMALL = "ssdlite320_mobilenet_v3", "espcn"
 LOADERS = 2  # instances issuing the big plan at once
@@ -126,8 +126,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="sbx-bench-hol-"))
     (work / "bench_hol_handlers.py").write_text(HANDLERS)
     functions = (
-        FunctionSpec("small", "bench_hol_handlers:small", models=(SMALL,)),
-        FunctionSpec("big", "bench_hol_handlers:big", models=(BIG,), max_instances=LOADERS),
+        ProxyFunction("small", "bench_hol_handlers:small", models=(SMALL,)),
+        ProxyFunction("big", "bench_hol_handlers:big", models=(BIG,), max_instances=LOADERS),
     )
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f}")

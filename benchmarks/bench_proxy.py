@@ -38,7 +38,7 @@ from _common import parser, print_table, write_json  # noqa: E402
 from streambox.api_proxy import wire  # noqa: E402
 from streambox.api_proxy.channel import connect, make_server  # noqa: E402
 from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy  # noqa: E402
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig  # noqa: E402
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction  # noqa: E402
 from streambox.api_proxy.shm_ring import private_dir  # noqa: E402
 from streambox.config import Config  # noqa: E402
 
@@ -286,9 +286,9 @@ def main() -> int:
     env = {**os.environ, "STREAMBOX_STATE_DIR": str(state)}
     config = Config.from_env()
     functions = (
-        FunctionSpec("cold", "bench_proxy_handlers:cold", models=(MODEL,)),
-        FunctionSpec("pingpong", "bench_proxy_handlers:pingpong"),
-        FunctionSpec("infer_loop", "bench_proxy_handlers:infer_loop", models=(MODEL,), max_instances=4),
+        ProxyFunction("cold", "bench_proxy_handlers:cold", models=(MODEL,)),
+        ProxyFunction("pingpong", "bench_proxy_handlers:pingpong"),
+        ProxyFunction("infer_loop", "bench_proxy_handlers:infer_loop", models=(MODEL,), max_instances=4),
     )
     common = {"functions": functions, "sys_path": (str(work),), "state_dir": str(state), "keep_alive_s": 0.05}
     configs = {

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, print_table  # noqa: E402
 
 from streambox.api_proxy.control import ProxyProcess, launch_proxy  # noqa: E402
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig  # noqa: E402
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction  # noqa: E402
 from streambox.comm.ipc_store import IpcCosts  # noqa: E402
 from streambox.device.emulated import EmulatedBackend  # noqa: E402
 from streambox.device.specs import V100_16GB  # noqa: E402
@@ -71,7 +71,7 @@ HANDLERS = textwrap.dedent(
 @contextmanager
 def _proxies(root: Path) -> Iterator[dict[str, ProxyProcess]]:
     (root / "comm_proxy_handlers.py").write_text(HANDLERS)
-    functions = tuple(FunctionSpec(n, f"comm_proxy_handlers:{n}") for n in ("put", "get"))
+    functions = tuple(ProxyFunction(n, f"comm_proxy_handlers:{n}") for n in ("put", "get"))
     started: dict[str, ProxyProcess] = {}
     try:
         for kind in STORES:

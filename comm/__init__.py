@@ -8,7 +8,7 @@ pyzmq is imported only by `streambox.comm.rpc` (cross-node), redis only by `stre
 from .client import FunctionClient
 from .config import IdlePredictor, StoreConfig
 from .errors import CommError, GetTimeout, KeyExists, RemoteError, StoreClosed
-from .handle import Allocator, Handle, StoreStats, Transport
+from .lease import Allocator, Lease, StoreStats, Transport
 from .policy import HOST, GpuState, ItemState, Move, place, plan_moves, relocate_on_read, store_capacity
 from .store import CommStore
 from .tables import GlobalSnapshot, GlobalTable, GlobalView, InMemoryGlobalTable, Location, NodeTable
@@ -24,7 +24,7 @@ __all__ = [
     "GlobalTable",
     "GlobalView",
     "GpuState",
-    "Handle",
+    "Lease",
     "IdlePredictor",
     "InMemoryGlobalTable",
     "ItemState",

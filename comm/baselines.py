@@ -38,7 +38,7 @@ import torch
 
 from streambox.device import Runtime, Stream
 
-from .handle import Allocator, DeviceTensorLike
+from .lease import Allocator, DeviceTensorLike
 
 
 class RedisUnavailable(RuntimeError):

@@ -12,7 +12,7 @@ import torch
 
 from streambox.device import Stream
 
-from .handle import DeviceTensorLike, Handle
+from .lease import DeviceTensorLike, Lease
 from .store import CommStore
 from .tables import Location
 
@@ -38,14 +38,14 @@ class FunctionClient:
             stream=self.stream,
         )
 
-    def get(self, key: str, timeout: float | None = None) -> Handle:
+    def get(self, key: str, timeout: float | None = None) -> Lease:
         """The data of `key` on this function's GPU; this function's stream waits for its producer."""
         handle = self.store.get(key, device=self.device, timeout=timeout, owner=self.owner)
         if self.stream is not None:
             handle.wait(self.stream)
         return handle
 
-    def release(self, handle: Handle) -> None:
+    def release(self, handle: Lease) -> None:
         """Hand a GET's handle back once the work issued to this function's stream is done with it."""
         handle.release(self.stream)
 

@@ -41,7 +41,7 @@ from . import quota
 from .baselines import CudaIpcModel, busy_wait
 from .config import StoreConfig
 from .errors import CommError, GetTimeout, KeyExists, StoreClosed
-from .handle import DeviceTensorLike, Handle, StoreStats, Transport, location_name, span_bytes
+from .lease import DeviceTensorLike, Lease, StoreStats, Transport, location_name, span_bytes
 from .store_protocol import PutWatchers, check_put_args, tensor_layout
 from .tables import HOST, Location, dtype_name
 
@@ -103,12 +103,12 @@ class _Entry:
 
 
 @dataclass(eq=False)
-class _Lease:
+class _LeaseRecord:
     id: int
     block: _Block
     owner: str | None
     opened: bool  # an opened IPC handle (closed on release), else a private copy
-    handle: weakref.ref[Handle] | None = None
+    handle: weakref.ref[Lease] | None = None
 
 
 class IpcStore:
@@ -135,7 +135,7 @@ class IpcStore:
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[str, _Entry] = {}
         self._gone: dict[str, str] = {}
-        self._leases: dict[int, _Lease] = {}
+        self._leases: dict[int, _LeaseRecord] = {}
         self._lease_ids = itertools.count(1)
         self._watchers = PutWatchers(self._cond)
         self._unfreed: list[_Block] = []  # retired device blocks waiting for their readers' work
@@ -337,7 +337,7 @@ class IpcStore:
     # -- GET ------------------------------------------------------------------------------------
     def get(
         self, key: str, *, device: int | None = None, timeout: float | None = None, owner: str | None = None
-    ) -> Handle:
+    ) -> Lease:
         """Open the handle of `key` on GPU `device` (or copy host data there), waiting up to `timeout`."""
         self._check_open()
         gpu = min(self._rt) if device is None else device
@@ -407,13 +407,13 @@ class IpcStore:
         ready: Event | None,
         *,
         opened: bool,
-    ) -> Handle:
+    ) -> Lease:
         """The reader's handle on `block` (whose lease count already includes it)."""
         with self._cond:
-            lease = _Lease(next(self._lease_ids), block, owner, opened)
+            lease = _LeaseRecord(next(self._lease_ids), block, owner, opened)
             self._leases[lease.id] = lease
             self.stats.gets[transport.value] += 1
-        handle = Handle(self, lease.id, entry.key, gpu, block.address, entry.dtype, entry.shape,  # type: ignore[arg-type]
+        handle = Lease(self, lease.id, entry.key, gpu, block.address, entry.dtype, entry.shape,  # type: ignore[arg-type]
                         entry.strides, entry.nbytes, transport, ready)
         lease.handle = weakref.ref(handle)
         return handle

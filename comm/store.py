@@ -9,7 +9,7 @@ Semantics (documented in docs/comm.md, pinned by tests/comm):
   shape, strides, nbytes: `api_proxy.device_tensor.DeviceTensor`) is *adopted* without a copy: the
   store owns those bytes from now on and frees them with the allocator of that GPU, which must be the
   one they came from. A PUT over a held key raises `KeyExists` unless `overwrite`.
-- `get(key, device=..., timeout=...)` waits for the key (producer-consumer) and returns a `Handle`:
+- `get(key, device=..., timeout=...)` waits for the key (producer-consumer) and returns a `Lease`:
   on the data's GPU the handle *is* the stored memory (zero copy); from another GPU it is a peer copy
   into the reader's GPU; from host memory a host-to-device copy; from another node an RPC stream.
 - Consumption: **a GET counts as one read of the key when it is served.** Once `consumers` reads have
@@ -40,10 +40,10 @@ from streambox.device import Event, HostBuffer, OutOfDeviceMemory, Runtime, Stre
 from . import policy, quota
 from .config import IdlePredictor, StoreConfig
 from .errors import CommError, GetTimeout, KeyExists, StoreClosed
-from .handle import (
+from .lease import (
     Allocator,
     DeviceTensorLike,
-    Handle,
+    Lease,
     StoreStats,
     Transport,
     count_into,
@@ -92,13 +92,13 @@ class _Item:
 
 
 @dataclass(eq=False)
-class _Lease:
+class _LeaseRecord:
     id: int
     buffer: _Buffer
     owner: str | None
     deadline: float
     ready: Event | None
-    handle: weakref.ref[Handle] | None = None
+    handle: weakref.ref[Lease] | None = None
 
 
 #: Idle memory per GPU: one predictor for all GPUs, a value or a predictor per GPU (e.g. the memory
@@ -144,7 +144,7 @@ class CommStore:
         self.table = NodeTable(node)
         self._used = dict.fromkeys(self._rt, 0)
         self._host_used = 0
-        self._leases: dict[int, _Lease] = {}
+        self._leases: dict[int, _LeaseRecord] = {}
         self._lease_ids = itertools.count(1)
         self._seq = itertools.count()
         self._gone: OrderedDict[str, str] = OrderedDict()
@@ -351,13 +351,13 @@ class CommStore:
             fence(stream)
 
     # -- leases -----------------------------------------------------------------------------
-    def _new_lease(self, buf: _Buffer, owner: str | None, ready: Event | None, now: float) -> _Lease:
+    def _new_lease(self, buf: _Buffer, owner: str | None, ready: Event | None, now: float) -> _LeaseRecord:
         buf.leases += 1
-        lease = _Lease(next(self._lease_ids), buf, owner, now + self.config.lease_ttl_s, ready)
+        lease = _LeaseRecord(next(self._lease_ids), buf, owner, now + self.config.lease_ttl_s, ready)
         self._leases[lease.id] = lease
         return lease
 
-    def _drop_lease(self, lease: _Lease) -> None:
+    def _drop_lease(self, lease: _LeaseRecord) -> None:
         buf = lease.buffer
         buf.leases -= 1
         if buf.leases == 0 and buf.retired:
@@ -389,9 +389,9 @@ class CommStore:
             return len(mine)
 
     def _handle(
-        self, item: _Item, buf: _Buffer, lease: _Lease, gpu: int, transport: Transport
-    ) -> Handle:
-        handle = Handle(
+        self, item: _Item, buf: _Buffer, lease: _LeaseRecord, gpu: int, transport: Transport
+    ) -> Lease:
+        handle = Lease(
             self, lease.id, item.key, gpu, buf.address, item.dtype, item.shape, item.strides,
             item.nbytes, transport, lease.ready,
         )
@@ -523,7 +523,7 @@ class CommStore:
     # -- GET --------------------------------------------------------------------------------
     def get(
         self, key: str, *, device: int | None = None, timeout: float | None = None, owner: str | None = None
-    ) -> Handle:
+    ) -> Lease:
         """The data of `key` on GPU `device`, waiting up to `timeout` seconds for its PUT."""
         self._check_open()
         gpu = self._default_device(device)
@@ -572,7 +572,7 @@ class CommStore:
             if item.reads_left == 0:
                 self._remove(item, "consumed by its declared consumers")
 
-    def _get_local(self, item: _Item, gpu: int, owner: str | None) -> Handle:
+    def _get_local(self, item: _Item, gpu: int, owner: str | None) -> Lease:
         """Serve a GET of a key of this node (called under the lock; releases it while copying)."""
         now = self.clock()
         src = item.buffer
@@ -627,7 +627,7 @@ class CommStore:
 
     def _get_remote(
         self, key: str, remote: Location, endpoint: str, gpu: int, owner: str | None, timeout: float
-    ) -> Handle | None:
+    ) -> Lease | None:
         from .rpc import fetch_remote  # pyzmq is needed only across nodes
 
         buf: _Buffer | None = None

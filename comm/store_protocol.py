@@ -1,13 +1,14 @@
 """The one store protocol: what the proxy's forwarded ops need from a communication store.
 
-Two stores implement it: `CommStore` (StreamBox's managed, elastic store: a PUT adopts the producer's
-buffer, PA and AM move data) and `IpcStore` (stream-only's CUDA-IPC style data passing: a PUT copies
-into a fresh device allocation outside the memory pool and exports a handle; a GET opens it). The
-proxy builds the one its `comm_store` setting names (`streambox.config.Mechanisms`) and types against
-this protocol only.
+`KeyStore` is the narrower protocol it extends: PUT/GET/DELETE by key, which the function-side stores
+of run-local and the baselines implement too. Two stores implement `Store`: `CommStore` (StreamBox's
+managed, elastic store: a PUT adopts the producer's buffer, PA and AM move data) and `IpcStore`
+(stream-only's CUDA-IPC style data passing: a PUT copies into a fresh device allocation outside the
+memory pool and exports a handle; a GET opens it). The proxy builds the one its `comm_store` setting
+names (`streambox.config.Mechanisms`) and types against this protocol only.
 
 Semantics both keep (docs/comm.md): a GET counts as one read when served and the key leaves after
-`consumers` reads; handles are leases given back with `Handle.release(stream)` (stream-ordered) or all
+`consumers` reads; handles are leases given back with `Lease.release(stream)` (stream-ordered) or all
 at once with `release_owner(owner)`; `watch(key, callback)` is the non-blocking wait for a key's PUT.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from streambox.device import Runtime, Stream
 
-from .handle import DeviceTensorLike, Handle, StoreStats
+from .lease import DeviceTensorLike, Lease, StoreStats
 from .tables import Location
 
 #: The stores the `comm_store` setting chooses from.
@@ -29,7 +30,38 @@ STORE_KINDS = ("managed", "ipc")
 
 
 @runtime_checkable
-class Store(Protocol):
+class KeyStore(Protocol):
+    """PUT/GET/DELETE by key, the part every store shares: the proxy's (`Store`, below) and the
+    function-side stores of run-local and the baselines (`workflows.local.LocalStore`, INFless's
+    `workflows.monolithic_instance.RedisStore`, Astraea's `workflows.monolithic_ipc.IpcHandleStore`).
+
+    `put` takes the value and the producer's `stream` (the bytes are ready once the work issued to it
+    so far is done; None: ready now); `consumers` reads take the key away, `ttl` seconds expire it.
+    `get` waits up to `timeout` seconds for the key's PUT (None: the store's default). `delete` says
+    whether the key was there. What a GET returns is the store's own: a `Lease` from a `Store`, a
+    `Got` from a function-side store. Stores may take further keyword arguments with defaults (the
+    proxy's `device`, `owner`, `overwrite`; the function side's `owner` request and reader `stream`).
+    """
+
+    def put(
+        self,
+        key: str,
+        value: Any,
+        *,
+        consumers: int | None = None,
+        ttl: float | None = None,
+        stream: Stream | None = None,
+    ) -> Any: ...
+
+    def get(self, key: str, *, timeout: float | None = None) -> Any: ...
+
+    def delete(self, key: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Store(KeyStore, Protocol):
     """A node's PUT/GET/DELETE by key (see the module doc)."""
 
     stats: StoreStats
@@ -58,7 +90,7 @@ class Store(Protocol):
 
     def get(
         self, key: str, *, device: int | None = None, timeout: float | None = None, owner: str | None = None
-    ) -> Handle: ...
+    ) -> Lease: ...
 
     def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]: ...
 
@@ -75,7 +107,7 @@ class Store(Protocol):
     def release_owner(self, owner: str) -> int: ...
 
     def _release_lease(self, lease_id: int, stream: Stream | None, device: int | None = None) -> None:
-        """What `Handle.release` calls."""
+        """What `Lease.release` calls."""
         ...
 
 

@@ -41,11 +41,12 @@ GET_TIMEOUT_S = 10.0
 class Context(Protocol):
     """A handler's `ctx`, wherever it runs (the same calls, semantics and GET timeout).
 
-    Handles are opaque device-tensor references of the runtime the handler runs in; keys made with
-    `key(name)` are scoped to the request and dropped when it ends. `put` hands the tensor over
+    Handles are `streambox.Handle`s (device-tensor references the runtime checks) in every runtime;
+    keys made with `key(name)` are scoped to the request and dropped when it ends. `put` hands the tensor over
     without a copy (the store owns it afterwards); `get` waits up to `timeout` seconds for the key's
     PUT, and later work of this invocation waits for the producer's; `synchronize` waits for this
-    invocation's own work only (never the whole device).
+    invocation's own work only (never the whole device). A GET that times out raises a
+    `TimeoutError` in every runtime (the proxy's `KeyNotFound`, run-local's `GetTimeout`).
     """
 
     workflow: str

@@ -552,18 +552,23 @@ def _store_line(store: dict[str, Any]) -> str:
 
 def print_report(report: BurstReport, file: Any = None) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(file=file or sys.stdout, width=120)
-    lat = report.latency_ms()
     title = (
         f"burst: {report.workflow} ({report.system}, via {report.via}): "
         f"{len(report.outcomes)} requests, concurrency {report.concurrency}"
     )
     console.print(title, style="bold", highlight=False)
-    summary = Table(show_header=False)
-    summary.add_column("", justify="left")
-    summary.add_column("", justify="right")
+    _print_summary(console, report)
+    _print_functions(console, report)
+    _print_phases(console, report)
+    for message, count in report.errors().items():
+        console.print(f"[red]{count} x[/red] {message}", markup=True, highlight=False)
+
+
+def _summary_rows(report: BurstReport) -> list[tuple[str, str]]:
+    """The summary table's (label, value) rows: latency, throughput, cold starts, memory, settings."""
+    lat = report.latency_ms()
     rows = [
         ("requests ok / failed", f"{report.ok} / {report.failed}"),
         ("latency p50 / p90 / p99 (ms)", f"{_ms(lat['p50'])} / {_ms(lat['p90'])} / {_ms(lat['p99'])}"),
@@ -588,53 +593,73 @@ def print_report(report: BurstReport, file: Any = None) -> None:
         rows.append(("mechanisms", _mechanisms(report.settings)))
     if report.store:
         rows.append(("store (GPU " + str(report.gpu) + ")", _store_line(report.store)))
-    for row in rows:
+    return rows
+
+
+def _print_summary(console: Any, report: BurstReport) -> None:
+    from rich.table import Table
+
+    summary = Table(show_header=False)
+    summary.add_column("", justify="left")
+    summary.add_column("", justify="right")
+    for row in _summary_rows(report):
         summary.add_row(*row)
     console.print(summary)
 
+
+def _print_functions(console: Any, report: BurstReport) -> None:
+    """Per function: calls, failures, cold starts, latency percentiles, queueing, instances."""
+    from rich.table import Table
+
     functions = report.functions()
-    if functions:
-        table = Table(title="per function (latency as the invoker measured it)")
-        for column in (
-            "function",
-            "calls",
-            "failed",
-            "cold starts",
-            "p50 ms",
-            "p90 ms",
-            "max ms",
-            "queued ms",
-            "instances",
-        ):
-            table.add_column(column, justify="left" if column == "function" else "right")
-        for function, row in functions.items():
-            lat_f = row["latency_ms"]
-            table.add_row(
-                function,
-                str(row["invocations"]),
-                str(row["failed"]),
-                str(row["cold_starts"]),
-                _ms(lat_f["p50"]),
-                _ms(lat_f["p90"]),
-                _ms(lat_f["max"]),
-                _ms(row["queued_ms_mean"]),
-                str(report.peak_memory.instances.get(function, "-")),
-            )
-        console.print(table)
+    if not functions:
+        return
+    table = Table(title="per function (latency as the invoker measured it)")
+    for column in (
+        "function",
+        "calls",
+        "failed",
+        "cold starts",
+        "p50 ms",
+        "p90 ms",
+        "max ms",
+        "queued ms",
+        "instances",
+    ):
+        table.add_column(column, justify="left" if column == "function" else "right")
+    for function, row in functions.items():
+        lat_f = row["latency_ms"]
+        table.add_row(
+            function,
+            str(row["invocations"]),
+            str(row["failed"]),
+            str(row["cold_starts"]),
+            _ms(lat_f["p50"]),
+            _ms(lat_f["p90"]),
+            _ms(lat_f["max"]),
+            _ms(row["queued_ms_mean"]),
+            str(report.peak_memory.instances.get(function, "-")),
+        )
+    console.print(table)
+
+
+def _print_phases(console: Any, report: BurstReport) -> None:
+    """Mean ms per phase along the critical path, and what "other" is made of."""
+    from rich.table import Table
+
     phases = report.phases_ms()
-    if phases:
-        table = Table(title="where a request's time goes: mean ms per phase, along its critical path")
-        for phase in phases:
-            table.add_column(phase, justify="right")
-        table.add_row(*(f"{ms:,.1f}" for ms in phases.values()))
-        console.print(table)
-        other = ", ".join(f"{part} {ms:,.1f}" for part, ms in report.other_ms().items())
-        console.print(f"other, by where (mean ms): {other}", highlight=False)
-        detail = ", ".join(f"{part} {ms:,.1f}" for part, ms in report.other_ms("detail_ms").items())
-        if detail:
-            console.print(f"of compute, the device once issued (mean ms): {detail}", highlight=False)
-    for message, count in report.errors().items():
-        console.print(f"[red]{count} x[/red] {message}", markup=True, highlight=False)
+    if not phases:
+        return
+    table = Table(title="where a request's time goes: mean ms per phase, along its critical path")
+    for phase in phases:
+        table.add_column(phase, justify="right")
+    table.add_row(*(f"{ms:,.1f}" for ms in phases.values()))
+    console.print(table)
+    other = ", ".join(f"{part} {ms:,.1f}" for part, ms in report.other_ms().items())
+    console.print(f"other, by where (mean ms): {other}", highlight=False)
+    detail = ", ".join(f"{part} {ms:,.1f}" for part, ms in report.other_ms("detail_ms").items())
+    if detail:
+        console.print(f"of compute, the device once issued (mean ms): {detail}", highlight=False)
 
 
 # -- command line (the parser: streambox.cli) ---------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from .spec import WorkflowSpec
 
@@ -76,6 +76,17 @@ class RuntimeStats:
 
 #: The callback the gateway polls on each scrape of `/metrics`.
 StatsSource = Callable[[], Iterable[RuntimeStats]]
+
+
+W = TypeVar("W")
+
+
+def deployed(workflows: Mapping[str, W], workflow: str) -> W:
+    """An invoker's record of `workflow`, or a `KeyError` naming the deployed ones."""
+    wf = workflows.get(workflow)
+    if wf is None:
+        raise KeyError(f"workflow {workflow!r} is not deployed; deployed: {', '.join(workflows)}")
+    return wf
 
 
 @runtime_checkable

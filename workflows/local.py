@@ -26,21 +26,24 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from streambox.api_proxy.device_tensor import DeviceTensor, download_tensor, upload_tensor
+from streambox.api_proxy.errors import IsolationError
 from streambox.api_proxy.executor import DeviceModel, PlanExecutor, StreamPoolAllocator, upload_model
+from streambox.api_proxy.handles import Handle
 from streambox.comm.errors import GetTimeout  # one GET-timeout error in every runtime
 from streambox.comm.store_protocol import check_put_args
+from streambox.comm.tables import dtype_name, parse_dtype
 from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.sdk import GET_TIMEOUT_S
 
 from .handlers import Handler, resolve_handler
-from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
+from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats, deployed
 from .spec import WorkflowSpec
 
 SYSTEMS = ("streambox", "stream-only")
@@ -53,17 +56,54 @@ class StoreError(RuntimeError):
     """A put/get/delete the store refuses (ended request, tensor not owned, unknown key)."""
 
 
+class Got(NamedTuple):
+    """What a function-side store's GET returns (`comm.store_protocol.KeyStore`)."""
+
+    tensor: DeviceTensor
+    consumed: bool  # this GET took the key's last consumer: the reader owns the tensor now
+    copy: bool  # a private copy made for this GET on the reader's stream (the reader frees it)
+    ready: Event | None  # the reader's stream waits for it before using the tensor (None: no wait)
+
+
+def ready_event(runtime: Runtime, stream: Stream | None) -> Event | None:
+    """An event recorded on the producer's `stream` now (None: no stream, the bytes are ready)."""
+    if stream is None:
+        return None
+    ready = runtime.create_event(timing=False)
+    ready.record(stream)
+    return ready
+
+
+def poll_get(
+    key: str, timeout: float | None, attempt: Callable[[], Got | None], first_s: float, most_s: float
+) -> Got:
+    """A GET by polling (the stores of other processes): `attempt()` until it returns a `Got`, waiting
+    `first_s` and then twice as long each time up to `most_s`; `GetTimeout` after `timeout` seconds
+    (None: the SDK's)."""
+    timeout = DEFAULT_GET_TIMEOUT_S if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    delay = first_s
+    while (got := attempt()) is None:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise GetTimeout(key, timeout, "nothing put it")
+        time.sleep(min(delay, left_s))
+        delay = min(delay * 2, most_s)
+    return got
+
+
 @dataclass
 class _Entry:
     handle: DeviceTensor
-    ready: Event  # recorded on the producer's stream at put: consumers wait on it
-    request_id: str
+    ready: Event | None  # recorded on the producer's stream at put: consumers wait on it
+    request_id: str | None
     consumers: int | None  # gets left before the entry is consumed; None = until deleted
     expires: float | None
 
 
 class LocalStore:
-    """Keys to device tensors of one workflow (dict-backed PUT/GET; same device: no copy)."""
+    """Keys to device tensors of one workflow (dict-backed PUT/GET; same device: no copy).
+    A `comm.store_protocol.KeyStore`."""
 
     def __init__(self, runtime: Runtime, allocator: StreamPoolAllocator) -> None:
         self._runtime = runtime
@@ -83,7 +123,8 @@ class LocalStore:
             return sum(e.handle.nbytes for e in self._entries.values())
 
     def _free(self, entry: _Entry) -> None:
-        self._stream.wait_event(entry.ready)
+        if entry.ready is not None:
+            self._stream.wait_event(entry.ready)
         self._allocator.free(entry.handle.address, self._stream)
 
     def _expire(self, now: float) -> None:
@@ -93,26 +134,32 @@ class LocalStore:
     def put(
         self,
         key: str,
-        handle: DeviceTensor,
-        ready: Event,
-        request_id: str,
+        value: DeviceTensor,
+        *,
         consumers: int | None = None,
         ttl: float | None = None,
+        stream: Stream | None = None,
+        owner: str | None = None,
     ) -> None:
+        """Store `value` (the store owns it from now on) under `key`; `owner`: the request whose end
+        drops the key (None: kept until deleted or expired)."""
         check_put_args(key, consumers)  # the same PUT rules as the proxy's stores
+        ready = ready_event(self._runtime, stream)
         now = time.monotonic()
         with self._cond:
-            if request_id in self._ended:
-                raise StoreError(f"request {request_id} has ended: PUT of key {key!r} refused")
+            if owner in self._ended:
+                raise StoreError(f"request {owner} has ended: PUT of key {key!r} refused")
             self._expire(now)
             if key in self._entries:
                 raise StoreError(f"key {key!r} is already stored; delete it first")
             expires = now + ttl if ttl is not None else None
-            self._entries[key] = _Entry(handle, ready, request_id, consumers, expires)
+            self._entries[key] = _Entry(value, ready, owner, consumers, expires)
             self._cond.notify_all()
 
-    def get(self, key: str, timeout: float) -> tuple[_Entry, bool]:
-        """The entry, and whether this GET consumed it (the caller then owns the tensor)."""
+    def get(self, key: str, *, timeout: float | None = None, stream: Stream | None = None) -> Got:
+        """The key's tensor itself (no copy: `stream` is not used), waiting up to `timeout` seconds
+        for its PUT."""
+        timeout = DEFAULT_GET_TIMEOUT_S if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -124,21 +171,22 @@ class LocalStore:
                 if left <= 0:
                     raise GetTimeout(key, timeout, "nothing put it")
                 self._cond.wait(left)
-            if entry.consumers is None:
-                return entry, False
-            entry.consumers -= 1
-            if entry.consumers == 0:
-                del self._entries[key]
-                return entry, True
-            return entry, False
+            consumed = False
+            if entry.consumers is not None:
+                entry.consumers -= 1
+                consumed = entry.consumers == 0
+                if consumed:
+                    del self._entries[key]
+            return Got(entry.handle, consumed, False, entry.ready)
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str) -> bool:
         with self._cond:
             entry = self._entries.pop(key, None)
             if entry is None:
-                raise StoreError(f"DELETE of key {key!r}: no such key")
+                return False
             self._free(entry)
         self._stream.synchronize()
+        return True
 
     def end_request(self, request_id: str) -> int:
         """Free what the request left stored; refuse its later puts. Returns how many keys went."""
@@ -231,12 +279,17 @@ class _LocalWorkflow:
 
 
 class LocalContext:
-    """The `ctx` of a handler in run-local mode: `streambox.Context`, over this process's device."""
+    """The `ctx` of a handler in run-local mode: `streambox.Context`, over this process's device.
+
+    Its handles are `streambox.Handle`s, as behind the proxy: each names a tensor this invocation was
+    handed (upload, infer, GET) and is checked against them when it comes back."""
 
     def __init__(self, wf: _LocalWorkflow, function: str, stream: Stream, request_id: str) -> None:
         self._wf = wf
         self._stream = stream
         self._owned: dict[int, DeviceTensor] = {}  # tensors this invocation must free at its end
+        self._copies: dict[int, DeviceTensor] = {}  # GETs' private copies: freed at its end, not puttable
+        self._seen: dict[int, DeviceTensor] = {}  # every tensor handed to the handler, by address
         self.function = function
         self.request_id = request_id
         self.workflow = wf.spec.name
@@ -247,60 +300,84 @@ class LocalContext:
             raise ValueError(f"a key name is a non-empty string, got {name!r}")
         return f"{self._wf.spec.name}/{self.request_id}/{name}"
 
-    def _own(self, handle: DeviceTensor) -> DeviceTensor:
-        self._owned[handle.address] = handle
-        return handle
+    def _handle(self, tensor: DeviceTensor, owned: bool = False) -> Handle:
+        """The handler's `Handle` of `tensor` (remembered, so that it is accepted back)."""
+        if owned:
+            self._owned[tensor.address] = tensor
+        self._seen[tensor.address] = tensor
+        layout = (dtype_name(tensor.dtype), tensor.shape, tensor.strides, tensor.nbytes)
+        return Handle(self.workflow, tensor.address, *layout)
 
-    def upload(self, tensor: torch.Tensor) -> DeviceTensor:
+    def _tensor(self, handle: Any, what: str) -> DeviceTensor:
+        """The device tensor a handle from the handler names, or an error saying why it names none."""
+        try:
+            h = Handle.from_wire(handle)
+        except TypeError as error:
+            raise TypeError(f"{what} takes a device-tensor handle: {error}") from None
+        if h.workflow != self.workflow:
+            raise IsolationError(
+                f"{what}: the handle belongs to workflow {h.workflow!r}, not {self.workflow!r}"
+            )
+        known = self._seen.get(h.address)
+        if known is None or h.nbytes > known.nbytes:
+            raise StoreError(
+                f"{what}: handle {h.address:#x} ({h.nbytes} bytes) names no tensor this invocation made, "
+                "got or still holds"
+            )
+        return DeviceTensor(h.address, parse_dtype(h.dtype), h.shape, h.strides, h.nbytes)
+
+    def upload(self, tensor: torch.Tensor) -> Handle:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
             raise TypeError(f"upload takes a CPU torch tensor, got {type(tensor).__name__}")
-        return self._own(upload_tensor(self._wf.runtime, tensor, self._wf.allocator.allocate, self._stream))
+        uploaded = upload_tensor(self._wf.runtime, tensor, self._wf.allocator.allocate, self._stream)
+        return self._handle(uploaded, owned=True)
 
-    def download(self, handle: DeviceTensor) -> torch.Tensor:
-        if not isinstance(handle, DeviceTensor):
-            raise TypeError(f"download takes a device tensor handle, got {type(handle).__name__}")
-        return download_tensor(self._wf.runtime, handle, self._stream)
+    def download(self, handle: Handle) -> torch.Tensor:
+        return download_tensor(self._wf.runtime, self._tensor(handle, "download"), self._stream)
 
-    def infer(self, model: str, x: DeviceTensor | torch.Tensor) -> list[DeviceTensor]:
+    def infer(self, model: str, x: Handle | torch.Tensor) -> list[Handle]:
         declared = self._wf.spec.functions[self.function].models
         if model not in declared:
             raise ValueError(
                 f"function {self.function!r} did not declare model {model!r} (declared: {declared})"
             )
-        if isinstance(x, torch.Tensor):
-            x = self.upload(x)
-        if not isinstance(x, DeviceTensor):
-            raise TypeError(f"infer takes a device tensor handle or a CPU tensor, got {type(x).__name__}")
+        tensor = self._tensor(self.upload(x) if isinstance(x, torch.Tensor) else x, "infer")
         want = self._wf.model_pool.entry(model).input_dtype
-        if x.dtype != want or len(x.shape) < 2:
+        if tensor.dtype != want or len(tensor.shape) < 2:
             raise ValueError(
-                f"model {model!r} takes a batch of {want} inputs [B, ...], got {x.dtype} {list(x.shape)}"
+                f"model {model!r} takes a batch of {want} inputs [B, ...], got {tensor.dtype} "
+                f"{list(tensor.shape)}"
             )
-        resident = self._wf.model(model, x.shape[0], tuple(x.shape[1:]))
+        resident = self._wf.model(model, tensor.shape[0], tuple(tensor.shape[1:]))
         plan = resident.plan
-        run = self._wf.executor.run(resident, {plan.inputs[0]: x}, self._stream)
-        return [self._own(run.outputs[name]) for name in plan.outputs]
+        run = self._wf.executor.run(resident, {plan.inputs[0]: tensor}, self._stream)
+        return [self._handle(run.outputs[name], owned=True) for name in plan.outputs]
 
-    def put(
-        self, key: str, handle: DeviceTensor, consumers: int | None = None, ttl: float | None = None
-    ) -> None:
-        if self._owned.get(getattr(handle, "address", None)) is not handle:
+    def put(self, key: str, handle: Handle, consumers: int | None = None, ttl: float | None = None) -> None:
+        tensor = self._tensor(handle, f"PUT of key {key!r}")
+        if tensor.address not in self._owned:
             raise StoreError(
                 f"PUT of key {key!r}: only a tensor this invocation made (upload, infer) or consumed "
                 "(a GET that used up its last consumer) can be put"
             )
-        ready = self._wf.runtime.create_event(timing=False)
-        ready.record(self._stream)
-        self._wf.store.put(key, handle, ready, self.request_id, consumers, ttl)
-        del self._owned[handle.address]  # the store owns it now
+        self._wf.store.put(
+            key, tensor, consumers=consumers, ttl=ttl, stream=self._stream, owner=self.request_id
+        )
+        del self._owned[tensor.address]  # the store owns it now (the handler may still read it)
 
-    def get(self, key: str, timeout: float = DEFAULT_GET_TIMEOUT_S) -> DeviceTensor:
-        entry, consumed = self._wf.store.get(key, timeout)
-        self._stream.wait_event(entry.ready)  # the producer's kernels come first
-        return self._own(entry.handle) if consumed else entry.handle
+    def get(self, key: str, timeout: float = DEFAULT_GET_TIMEOUT_S) -> Handle:
+        got = self._wf.store.get(key, timeout=timeout, stream=self._stream)
+        if got.ready is not None:
+            self._stream.wait_event(got.ready)  # the producer's kernels come first
+        if got.consumed:
+            return self._handle(got.tensor, owned=True)
+        if got.copy:  # a private copy not taken from the store: freed at the end, not puttable
+            self._copies[got.tensor.address] = got.tensor
+        return self._handle(got.tensor)
 
     def delete(self, key: str) -> None:
-        self._wf.store.delete(key)
+        if not self._wf.store.delete(key):
+            raise StoreError(f"DELETE of key {key!r}: no such key")
 
     def synchronize(self) -> None:
         """Wait for this invocation's own work (its stream), not the whole device."""
@@ -308,9 +385,11 @@ class LocalContext:
 
     def finish(self) -> None:
         """Free what the invocation still owns (stream-ordered) and wait for its stream."""
-        for handle in self._owned.values():
+        for handle in [*self._owned.values(), *self._copies.values()]:
             self._wf.allocator.free(handle.address, self._stream)
         self._owned.clear()
+        self._copies.clear()
+        self._seen.clear()
         self._stream.synchronize()
 
 
@@ -385,7 +464,7 @@ class LocalInvoker:
         timeout_s: float | None = None,
     ) -> InvocationResult:
         started = time.perf_counter()
-        wf = self._workflows[workflow]
+        wf = deployed(self._workflows, workflow)
         event = _json_copy(event, f"the event of {function!r}")
         instance, cold = await self._acquire(wf, function)
         loop = asyncio.get_running_loop()

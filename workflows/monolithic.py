@@ -70,7 +70,7 @@ from streambox.comm.baselines import CudaIpcModel, RedisServer, RedisUnavailable
 from streambox.config import Config
 from streambox.phases import COLD_START, QUEUE
 
-from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
+from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats, deployed
 from .local import _json_copy
 from .monolithic_ipc import HandleRegistry
 from .spec import WorkflowSpec
@@ -302,9 +302,7 @@ class MonolithicInvoker:
         timeout_s: float | None = None,
     ) -> InvocationResult:
         started = time.perf_counter()
-        wf = self._workflows.get(workflow)
-        if wf is None:
-            raise KeyError(f"workflow {workflow!r} is not deployed; deployed: {', '.join(self._workflows)}")
+        wf = deployed(self._workflows, workflow)
         fn = wf.functions.get(function)
         if fn is None:
             raise KeyError(
@@ -529,26 +527,8 @@ class MonolithicInvoker:
         pool slot is freed and the call fails with why."""
         assert self._dir is not None
         spec = wf.spec
-        one = spec.model_copy(
-            update={"functions": {fn.name: spec.functions[fn.name]}, "edges": [], "output": None}
-        )
         device = self._pick_device()
-        args = {
-            "spec": json.loads(one.model_dump_json(by_alias=True)),
-            "base_dir": str(spec.base_dir.resolve()) if spec.base_dir is not None else None,
-            "function": fn.name,
-            "device": device,
-            "config": {
-                "backend": self.config.backend,
-                "device_preset": self.config.device_preset,
-                "gpus": self.config.gpus,
-                "model_pool": str(self.config.model_pool),
-                "state_dir": str(self.config.state_dir) if self.config.state_dir is not None else None,
-            },
-            "model_shapes": self.model_shapes,
-            "data_path": self._data_path_args(),
-            "gpu_percent": self.share(spec),
-        }
+        args = self._instance_args(spec, fn.name, device)
         ours, theirs = socket.socketpair()
         process: subprocess.Popen[bytes] | None = None
         writer: asyncio.StreamWriter | None = None
@@ -564,24 +544,7 @@ class MonolithicInvoker:
             theirs.close()
             reader, writer = await asyncio.open_unix_connection(sock=ours)
             instance = _Instance(instance_id, fn.name, device, process, reader, writer)
-            try:
-                hello = await asyncio.wait_for(_read_message(reader), self.start_timeout_s)
-            except TimeoutError:
-                raise InvocationError(
-                    fn.name, "InstanceStartError", f"the instance did not start in {self.start_timeout_s:g} s"
-                ) from None
-            except (asyncio.IncompleteReadError, ConnectionError):
-                await _reap(process, STOP_GRACE_S)
-                raise InvocationError(
-                    fn.name, "InstanceStartError", f"the instance did not start: {instance.exit_reason()}"
-                ) from None
-            if not hello.get("ok"):
-                raise InvocationError(
-                    fn.name,
-                    hello.get("error_type", "InstanceStartError"),
-                    f"the instance could not start: {hello.get('message')}",
-                    hello.get("traceback"),
-                )
+            hello = await self._hello(instance)
         except BaseException:
             theirs.close()
             if writer is not None:
@@ -608,6 +571,53 @@ class MonolithicInvoker:
             await self._stop(fn, instance, kill=True)
             raise InvocationError(fn.name, "InvokerClosed", "the invoker closed while the instance started")
         return instance
+
+    def _instance_args(self, spec: WorkflowSpec, function: str, device: int) -> dict[str, Any]:
+        """What an instance process of `function` is started with (JSON on its command line; the fd
+        of its socket is added by the caller)."""
+        one = spec.model_copy(
+            update={"functions": {function: spec.functions[function]}, "edges": [], "output": None}
+        )
+        return {
+            "spec": json.loads(one.model_dump_json(by_alias=True)),
+            "base_dir": str(spec.base_dir.resolve()) if spec.base_dir is not None else None,
+            "function": function,
+            "device": device,
+            "config": {
+                "backend": self.config.backend,
+                "device_preset": self.config.device_preset,
+                "gpus": self.config.gpus,
+                "model_pool": str(self.config.model_pool),
+                "state_dir": str(self.config.state_dir) if self.config.state_dir is not None else None,
+            },
+            "model_shapes": self.model_shapes,
+            "data_path": self._data_path_args(),
+            "gpu_percent": self.share(spec),
+        }
+
+    async def _hello(self, instance: _Instance) -> dict[str, Any]:
+        """The instance's first message once it has its runtime and models, or `InvocationError`
+        saying why it did not start (timeout, exit, or its own error)."""
+        name = instance.function
+        try:
+            hello = await asyncio.wait_for(_read_message(instance.reader), self.start_timeout_s)
+        except TimeoutError:
+            raise InvocationError(
+                name, "InstanceStartError", f"the instance did not start in {self.start_timeout_s:g} s"
+            ) from None
+        except (asyncio.IncompleteReadError, ConnectionError):
+            await _reap(instance.process, STOP_GRACE_S)
+            raise InvocationError(
+                name, "InstanceStartError", f"the instance did not start: {instance.exit_reason()}"
+            ) from None
+        if not hello.get("ok"):
+            raise InvocationError(
+                name,
+                hello.get("error_type", "InstanceStartError"),
+                f"the instance could not start: {hello.get('message')}",
+                hello.get("traceback"),
+            )
+        return hello
 
     def _data_path_args(self) -> dict[str, Any]:
         """How an instance reaches the data path (the Redis password is never on argv: a file)."""

@@ -34,21 +34,22 @@ from streambox.api_proxy.device_tensor import DeviceTensor
 from streambox.api_proxy.executor import DeviceModel
 from streambox.api_proxy.template import warm_up_modules
 from streambox.comm.baselines import FuncIpc
-from streambox.comm.handle import Allocator
+from streambox.comm.lease import Allocator
 from streambox.comm.store_protocol import check_put_args
 from streambox.config import Config
-from streambox.device import Event, Runtime, Stream
+from streambox.device import Runtime, Stream
 from streambox.kernel_compiler.plan import KernelPlan
 
 from .handlers import resolve_handler
 from .local import (
-    DEFAULT_GET_TIMEOUT_S,
-    GetTimeout,
+    Got,
     LocalContext,
     LocalInvoker,
     StoreError,
     _json_copy,
     _LocalWorkflow,
+    poll_get,
+    ready_event,
 )
 from .monolithic import decode_body, encode_message, ended_key, meta_key, request_set_key
 from .monolithic_ipc import REAP_PERIOD_S, HandleRegistry, IpcHandleStore
@@ -124,17 +125,23 @@ class RedisStore:
     def put(
         self,
         key: str,
-        handle: DeviceTensor,
-        ready: Event,
-        request_id: str,
+        value: DeviceTensor,
+        *,
         consumers: int | None = None,
         ttl: float | None = None,
+        stream: Stream | None = None,
+        owner: str | None = None,
     ) -> None:
+        """Copy `value` out to Redis under `key` once `stream`'s work so far is done, then free it;
+        `owner`: the request whose end drops the key (None: kept until deleted or expired)."""
         check_put_args(key, consumers)  # the same PUT rules as the proxy's stores
+        handle, request_id = value, owner or ""  # "": no request has ended under that name
         ended = ended_key(self.workflow, request_id)
         if (verdict := self._check(keys=[meta_key(key), ended]).decode()) != "ok":
             raise StoreError(self._refusal(key, request_id, verdict))
-        self._stream.wait_event(ready)  # the producer's kernels come first
+        ready = ready_event(self._runtime, stream)
+        if ready is not None:
+            self._stream.wait_event(ready)  # the producer's kernels come first
         self.ipc.put(key, self._runtime, handle, self._stream)  # device -> host -> Redis
         ttl_ms = 0 if ttl is None else max(1, round(ttl * 1e3))
         verdict = self._commit(
@@ -158,37 +165,34 @@ class RedisStore:
             return f"request {request_id} has ended: PUT of key {key!r} refused"
         return f"key {key!r} is already stored; delete it first"
 
-    def get(self, key: str, timeout: float, stream: Stream) -> tuple[DeviceTensor, bool]:
-        """A new device tensor (on `stream`) with the key's bytes, and whether this GET took the
-        key's last consumer. Waits (polling) until someone puts the key, up to `timeout`."""
-        deadline = time.monotonic() + timeout
-        delay = 0.001
-        while True:
-            meta = self.client.hgetall(meta_key(key))
-            if meta:
-                try:
-                    received = self.ipc.get(key, self._runtime, self._allocator, stream)  # Redis -> device
-                except KeyError:
-                    received = None  # consumed or deleted meanwhile
-                if received is not None:
-                    left = int(self._claim(keys=[key, meta_key(key)], args=[key]))
-                    if left != -2:
-                        dtype = getattr(torch, meta[b"dtype"].decode().removeprefix("torch."))
-                        shape = tuple(json.loads(meta[b"shape"]))
-                        strides = tuple(json.loads(meta[b"strides"]))
-                        return DeviceTensor(
-                            received.address, dtype, shape, strides, received.nbytes
-                        ), left == 0
-                    self._allocator.free(received.address, stream)  # its consumers were all taken
-            left_s = deadline - time.monotonic()
-            if left_s <= 0:
-                raise GetTimeout(key, timeout, "nothing put it")
-            time.sleep(min(delay, left_s))
-            delay = min(delay * 2, GET_POLL_MAX_S)
+    def get(self, key: str, *, timeout: float | None = None, stream: Stream | None = None) -> Got:
+        """A new device tensor (on `stream`; None: the store's) with the key's bytes, and whether
+        this GET took the key's last consumer. Waits (polling) until someone puts the key, up to
+        `timeout` seconds."""
+        reader = stream or self._stream
+        return poll_get(key, timeout, lambda: self._take(key, reader), 0.001, GET_POLL_MAX_S)
 
-    def delete(self, key: str) -> None:
-        if not int(self._delete(keys=[key, meta_key(key)], args=[key])):
-            raise StoreError(f"DELETE of key {key!r}: no such key")
+    def _take(self, key: str, stream: Stream) -> Got | None:
+        """One try of a GET: the key's bytes copied in and one consumer taken, or None."""
+        meta = self.client.hgetall(meta_key(key))
+        if not meta:
+            return None
+        try:
+            received = self.ipc.get(key, self._runtime, self._allocator, stream)  # Redis -> device
+        except KeyError:
+            return None  # consumed or deleted meanwhile
+        left = int(self._claim(keys=[key, meta_key(key)], args=[key]))
+        if left == -2:
+            self._allocator.free(received.address, stream)  # its consumers were all taken
+            return None
+        dtype = getattr(torch, meta[b"dtype"].decode().removeprefix("torch."))
+        shape = tuple(json.loads(meta[b"shape"]))
+        strides = tuple(json.loads(meta[b"strides"]))
+        tensor = DeviceTensor(received.address, dtype, shape, strides, received.nbytes)
+        return Got(tensor, left == 0, True, None)
+
+    def delete(self, key: str) -> bool:
+        return bool(int(self._delete(keys=[key, meta_key(key)], args=[key])))
 
     def close(self) -> None:
         self._stream.synchronize()
@@ -242,28 +246,6 @@ class _InstanceWorkflow(_LocalWorkflow):
     def close(self) -> None:
         self._models = {i: m for i, m in self._unique_models().items()}  # type: ignore[misc]
         super().close()
-
-
-class MonolithicContext(LocalContext):
-    """Run-local's `ctx` over the instance's `RedisStore`: `key`, `upload`, `download`, `infer`,
-    `put` and `delete` are run-local's; a GET is always a private copy in this runtime."""
-
-    def __init__(self, wf: _InstanceWorkflow, function: str, stream: Stream, request_id: str) -> None:
-        super().__init__(wf, function, stream, request_id)
-        self._copies: dict[int, DeviceTensor] = {}  # got without consuming: freed at the end, not puttable
-
-    def get(self, key: str, timeout: float = DEFAULT_GET_TIMEOUT_S) -> DeviceTensor:
-        handle, consumed = self._wf.store.get(key, timeout, self._stream)  # type: ignore[call-arg]
-        if consumed:
-            return self._own(handle)
-        self._copies[handle.address] = handle
-        return handle
-
-    def finish(self) -> None:
-        for handle in self._copies.values():
-            self._wf.allocator.free(handle.address, self._stream)
-        self._copies.clear()
-        super().finish()
 
 
 def _error(error: BaseException) -> dict[str, Any]:
@@ -329,7 +311,7 @@ class Instance:
         }
 
     def invoke(self, event: dict[str, Any], request_id: str) -> dict[str, Any]:
-        ctx = MonolithicContext(self.wf, self.function, self.stream, request_id)
+        ctx = LocalContext(self.wf, self.function, self.stream, request_id)  # GETs: private copies
         try:
             output = self.wf.handlers[self.function](ctx, event)
             ctx.finish()

@@ -49,12 +49,11 @@ import torch
 
 from streambox.api_proxy.device_tensor import DeviceTensor
 from streambox.comm.baselines import CudaIpcModel, busy_wait
-from streambox.comm.errors import GetTimeout
-from streambox.comm.handle import Allocator
+from streambox.comm.lease import Allocator
 from streambox.comm.store_protocol import check_put_args
-from streambox.device import Event, Runtime, Stream
+from streambox.device import Runtime, Stream
 
-from .local import StoreError
+from .local import Got, StoreError, poll_get
 
 #: How often an idle producer instance looks for retired keys to free.
 REAP_PERIOD_S = 0.005
@@ -189,15 +188,21 @@ class IpcHandleStore:
     def put(
         self,
         key: str,
-        handle: DeviceTensor,
-        ready: Event,
-        request_id: str,
+        value: DeviceTensor,
+        *,
         consumers: int | None = None,
         ttl: float | None = None,
+        stream: Stream | None = None,
+        owner: str | None = None,
     ) -> None:
+        """Export `value` under `key` once `stream`'s work so far is done (the producer keeps the
+        allocation until the key is retired); `owner`: the request whose end retires the key (None:
+        kept until deleted or expired)."""
         check_put_args(key, consumers)  # the same PUT rules as the proxy's stores
+        handle, request_id = value, owner or ""  # "": no request has ended under that name
         self.reap()
-        ready.synchronize()  # the producer's kernels are done before the handle is published
+        if stream is not None:
+            stream.synchronize()  # the producer's kernels are done before the handle is published
         segment = None if self._timed else self._mirror(handle)
         expires = None if ttl is None else time.time() + ttl
         meta = {
@@ -238,25 +243,24 @@ class IpcHandleStore:
         del target  # the segment can only close once no tensor views it
         return segment
 
-    def get(self, key: str, timeout: float, stream: Stream) -> tuple[DeviceTensor, bool]:
-        """A private copy of the key's tensor in this runtime (on `stream`), and whether this GET took
-        the key's last consumer. Waits until someone puts the key, up to `timeout`."""
-        deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while True:
-            self.reap()
-            claimed = self._claim(key)
-            if claimed is not None:
-                meta, segment, last = claimed
-                try:
-                    return self._copy_in(meta, segment, stream), last
-                finally:
-                    _detach(segment)
-            left_s = deadline - time.monotonic()
-            if left_s <= 0:
-                raise GetTimeout(key, timeout, "nothing put it")
-            time.sleep(min(delay, left_s))
-            delay = min(delay * 2, GET_POLL_MAX_S)
+    def get(self, key: str, *, timeout: float | None = None, stream: Stream | None = None) -> Got:
+        """A private copy of the key's tensor in this runtime (on `stream`; None: the store's), and
+        whether this GET took the key's last consumer. Waits until someone puts the key, up to
+        `timeout` seconds."""
+        reader = stream or self._stream
+        return poll_get(key, timeout, lambda: self._take(key, reader), 0.0005, GET_POLL_MAX_S)
+
+    def _take(self, key: str, stream: Stream) -> Got | None:
+        """One try of a GET: a consumer claimed and the bytes copied in, or None."""
+        self.reap()
+        claimed = self._claim(key)
+        if claimed is None:
+            return None
+        meta, segment, last = claimed
+        try:
+            return Got(self._copy_in(meta, segment, stream), last, True, None)
+        finally:
+            _detach(segment)
 
     def _claim(self, key: str) -> tuple[dict[str, Any], shared_memory.SharedMemory | None, bool] | None:
         """Take one consumer of the key (mapping its segment first: the producer may free it as soon
@@ -305,11 +309,11 @@ class IpcHandleStore:
         dtype = getattr(torch, meta["dtype"])
         return DeviceTensor(address, dtype, tuple(meta["shape"]), tuple(meta["strides"]), nbytes)
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str) -> bool:
         with self.registry.locked():
-            if not self.registry.retire(key):
-                raise StoreError(f"DELETE of key {key!r}: no such key")
+            retired = self.registry.retire(key)
         self.reap()
+        return retired
 
     def reap(self) -> int:
         """Free the allocations of this instance's keys that were retired (last consumer, DELETE,

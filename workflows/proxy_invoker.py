@@ -27,12 +27,13 @@ from typing import Any
 
 from streambox.api_proxy.control import AsyncProxyClient, ProxyProcess, launch_proxy
 from streambox.api_proxy.errors import FunctionFailed, FunctionTimeout, ProxyError
+from streambox.api_proxy.function_spec import ProxyFunction
 from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_PROXIES_PER_DEVICE, WarmProxies
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig
 from streambox.config import Config
 from streambox.phases import COLD_START, DEVICE_WAIT, QUEUE
 
-from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats
+from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats, deployed
 from .spec import WorkflowSpec
 
 #: Extra time the invoker waits for the proxy's answer beyond the invocation's own timeout.
@@ -41,20 +42,7 @@ ANSWER_MARGIN_S = 30.0
 
 def proxy_config_for(spec: WorkflowSpec, config: Config, system: str, **options: Any) -> ProxyConfig:
     """The proxy configuration of a workflow spec."""
-    functions = tuple(
-        FunctionSpec(
-            name=name,
-            handler=fn.handler,
-            models=tuple(fn.models),
-            batch=fn.batch_size,
-            max_instances=fn.max_instances,
-            timeout_s=(fn.timeout_ms or spec.timeout_ms) / 1e3,
-            gpu_percent=fn.gpu_percent,
-            max_batch_size=fn.max_batch_size,
-            max_queue_delay_s=fn.max_queue_delay_ms / 1e3,
-        )
-        for name, fn in spec.functions.items()
-    )
+    functions = tuple(ProxyFunction.of(name, fn, spec.timeout_ms) for name, fn in spec.functions.items())
     sys_path = (str(spec.base_dir.resolve()),) if spec.base_dir is not None else ()
     return ProxyConfig(
         workflow=spec.name,
@@ -132,9 +120,7 @@ class ProxyInvoker:
         timeout_s: float | None = None,
     ) -> InvocationResult:
         started = time.perf_counter()
-        wf = self._workflows.get(workflow)
-        if wf is None:
-            raise KeyError(f"workflow {workflow!r} is not deployed; deployed: {', '.join(self._workflows)}")
+        wf = deployed(self._workflows, workflow)
         fn_timeout = wf.config.function(function).timeout_s
         limit = fn_timeout if timeout_s is None else min(fn_timeout, timeout_s)
         proxy_cold = await self._ensure_proxy(wf)

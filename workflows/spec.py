@@ -56,46 +56,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints
+from pydantic import Field, PrivateAttr, StringConstraints
+
+# A function's fields are defined once, beside the proxy's record of it (issue 15).
+from streambox.api_proxy.function_spec import (
+    DEFAULT_TIMEOUT_MS,
+    FunctionSpec,
+    StrictModel,
+)
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=64)]
-HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
-HandlerRef = Annotated[str, StringConstraints(pattern=HANDLER_PATTERN, max_length=200)]
-DEFAULT_TIMEOUT_MS = 30_000.0
-DEFAULT_MAX_INSTANCES = 4
-MAX_BATCH_SIZE = 64  # plans for every batch size up to it are prepared at deploy
-MAX_QUEUE_DELAY_MS = 10_000.0
 DEFAULT_MAX_ITEMS = 1000  # items one fan-out may start (per upstream invocation)
 MAX_ITEMS_CEILING = 100_000
 
 
-class _Strict(BaseModel):
-    # strict: YAML has real types, so "200" for a number or `yes` for a flag is a mistake, not a value.
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, frozen=True)
-
-
-class FunctionSpec(_Strict):
-    handler: HandlerRef = Field(description="the handler as module:function")
-    models: list[str] = Field(
-        default_factory=list, description="zoo or registered models the handler infers with"
-    )
-    batch_size: int = Field(1, ge=1, le=1024, description="batch the model plans are lowered for")
-    max_instances: int = Field(DEFAULT_MAX_INSTANCES, ge=1, le=1024, description="concurrency limit")
-    max_batch_size: int = Field(
-        1, ge=1, le=MAX_BATCH_SIZE, description="samples one batched inference may hold (1: no batching)"
-    )
-    max_queue_delay_ms: float = Field(
-        0.0, ge=0, le=MAX_QUEUE_DELAY_MS, description="how long an inference waits for others to batch with"
-    )
-    timeout_ms: float | None = Field(None, gt=0, description="one invocation's time limit")
-    gpu_percent: int | None = Field(
-        None, ge=1, le=100, description="share of the GPU's compute units its kernels use (GPU%)"
-    )
-    params: dict[str, Any] = Field(default_factory=dict, description="given to the handler in the event")
-
-
-class EdgeSpec(_Strict):
+class EdgeSpec(StrictModel):
     source: Name = Field(alias="from")
     to: Name
     select: str | None = Field(None, min_length=1, description="field of the upstream output to pass")
@@ -106,7 +82,7 @@ class EdgeSpec(_Strict):
     fan_in: bool = Field(False, description="the downstream waits for all upstream invocations")
 
 
-class WorkflowSpec(_Strict):
+class WorkflowSpec(StrictModel):
     name: Name
     description: str = ""
     slo_ms: float = Field(gt=0)

@@ -24,11 +24,12 @@ from yaml.constructor import SafeConstructor
 from yaml.error import Mark
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from streambox.api_proxy.function_spec import HANDLER_PATTERN
 from streambox.kernel_compiler.model_pool import unknown_model
 
 from .handler_check import check_target, inspect_handlers
 from .handlers import HandlerError
-from .spec import HANDLER_PATTERN, NAME_PATTERN, EdgeSpec, FunctionSpec, WorkflowSpec, check_graph
+from .spec import NAME_PATTERN, EdgeSpec, FunctionSpec, WorkflowSpec, check_graph
 
 Loc = tuple[str | int, ...]
 

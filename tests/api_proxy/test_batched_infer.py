@@ -11,7 +11,7 @@ import torch
 
 from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy
 from streambox.api_proxy.errors import FunctionTimeout
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 
 HANDLERS = textwrap.dedent(
     """
@@ -42,20 +42,20 @@ HANDLERS = textwrap.dedent(
 
 GROUP_DELAY_S = 2.0  # generous on a loaded machine: a full batch closes before it anyway
 FUNCTIONS = (
-    FunctionSpec("alone", "batch_handlers:classify", models=("resnet18",)),
-    FunctionSpec(  # closes when 3 have joined
+    ProxyFunction("alone", "batch_handlers:classify", models=("resnet18",)),
+    ProxyFunction(  # closes when 3 have joined
         "full", "batch_handlers:classify", models=("resnet18",), max_instances=3,
-        max_batch_size=3, max_queue_delay_s=GROUP_DELAY_S,
+        max_batch_size=3, max_queue_delay_ms=GROUP_DELAY_S * 1e3,
     ),
-    FunctionSpec(  # 2 of at most 4 join: closes at the deadline
+    ProxyFunction(  # 2 of at most 4 join: closes at the deadline
         "timed", "batch_handlers:classify", models=("resnet18",), max_instances=4,
-        max_batch_size=4, max_queue_delay_s=0.5,
+        max_batch_size=4, max_queue_delay_ms=500.0,
     ),
-    FunctionSpec(  # a long delay: a call may end while its batch is open
+    ProxyFunction(  # a long delay: a call may end while its batch is open
         "slow", "batch_handlers:classify", models=("resnet18",), max_instances=3,
-        max_batch_size=4, max_queue_delay_s=3.0,
+        max_batch_size=4, max_queue_delay_ms=3000.0,
     ),
-    FunctionSpec(  # no queue delay: unbatched, whatever max_batch_size says
+    ProxyFunction(  # no queue delay: unbatched, whatever max_batch_size says
         "nodelay", "batch_handlers:classify", models=("resnet18",), max_instances=2, max_batch_size=4,
     ),
 )
@@ -158,14 +158,15 @@ def test_which_functions_batch_which_calls_join_and_which_plans_deploy_prepares(
     def tensor(*shape: int, strides: tuple[int, ...] | None = None) -> DeviceTensor:
         return DeviceTensor(0x1000, torch.float32, shape, strides or contiguous_strides(shape), 4)
 
-    plain = FunctionSpec("f", "m:f")
+    plain = ProxyFunction("f", "m:f")
     assert limits_of(plain) is None and batch_sizes(plain) == []
-    assert limits_of(FunctionSpec("f", "m:f", max_batch_size=4)) is None  # no delay: no batching
-    spec = FunctionSpec("f", "m:f", max_batch_size=4, max_queue_delay_s=0.005)
+    assert limits_of(ProxyFunction("f", "m:f", max_batch_size=4)) is None  # no delay: no batching
+    spec = ProxyFunction("f", "m:f", max_batch_size=4, max_queue_delay_ms=5.0)
     limits = limits_of(spec)
     assert limits is not None and (limits.max_samples, limits.max_delay_s) == (4, 0.005)
     assert batch_sizes(spec) == [2, 3, 4]
-    assert batch_sizes(FunctionSpec("f", "m:f", batch=2, max_batch_size=7, max_queue_delay_s=1.0)) == [4, 6]
+    pairs = ProxyFunction("f", "m:f", batch_size=2, max_batch_size=7, max_queue_delay_ms=1000.0)
+    assert batch_sizes(pairs) == [4, 6]
     assert joinable(limits, [tensor(1, 3, 8, 8)])
     assert joinable(limits, [tensor(2, 3), tensor(2, 5)])
     assert not joinable(limits, [tensor(4, 3)])  # fills a batch alone

@@ -10,7 +10,7 @@ from typing import Any
 
 from streambox.api_proxy.calls import Calls
 from streambox.api_proxy.errors import KeyNotFound
-from streambox.api_proxy.proxy_config import FunctionSpec
+from streambox.api_proxy.proxy_config import ProxyFunction
 from streambox.api_proxy.state import Instance, Invocation
 from streambox.api_proxy.waits import KeyPut, Offload
 
@@ -47,7 +47,7 @@ def _setup() -> tuple[Calls, Instance, Invocation, list[Any], list[Any], Watches
         lambda inst, message: handled.append(message),
         sync_completion=False,
     )
-    inst = Instance(1, FunctionSpec("f", "m:f"), None, "busy", 0.0, 0.0)  # type: ignore[arg-type]
+    inst = Instance(1, ProxyFunction("f", "m:f"), None, "busy", 0.0, 0.0)  # type: ignore[arg-type]
     inv = Invocation(1, "f", "r", None, (b"", 0), 0.0, 1e9, 1e9)
     inst.invocation = inv
     return calls, inst, inv, replies, handled, store

@@ -16,7 +16,7 @@ import pytest
 from streambox.api_proxy.control import launch_proxy
 from streambox.api_proxy.keepalive import Admission, WarmProxies
 from streambox.api_proxy.node_gpus import neighbour_indices
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 from streambox.config import Config
 from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import MiB, preset
@@ -49,7 +49,7 @@ HANDLERS = textwrap.dedent(
 def _proxy(root, am: bool) -> object:
     (root / "nodegpus_handlers.py").write_text(HANDLERS)
     functions = tuple(
-        FunctionSpec(name, f"nodegpus_handlers:{name}") for name in ("produce", "consume")
+        ProxyFunction(name, f"nodegpus_handlers:{name}") for name in ("produce", "consume")
     )
     config = ProxyConfig(
         workflow="nodegpus", functions=functions, sys_path=(str(root),), state_dir=str(root / "state"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import textwrap
 
 from streambox.api_proxy.control import launch_proxy
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 
 HANDLERS = textwrap.dedent(
     """
@@ -26,8 +26,8 @@ def test_a_gpu_percent_function_runs_profiled_under_its_cap(tmp_path):
     config = ProxyConfig(
         workflow="partition",
         functions=(
-            FunctionSpec("half", "partition_handlers:classify", models=("resnet18",), gpu_percent=50),
-            FunctionSpec("whole", "partition_handlers:classify", models=("resnet18",)),
+            ProxyFunction("half", "partition_handlers:classify", models=("resnet18",), gpu_percent=50),
+            ProxyFunction("whole", "partition_handlers:classify", models=("resnet18",)),
         ),
         sys_path=(str(tmp_path),),
         state_dir=str(tmp_path / "state"),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from streambox.api_proxy.control import launch_proxy
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig, ablation_options
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction, ablation_options
 from streambox.kernel_compiler.zoo import get_entry
 
 HANDLERS = textwrap.dedent(
@@ -42,7 +42,7 @@ def proxies(tmp_path_factory):
     root = tmp_path_factory.mktemp("proxy_ablation")
     (root / "ablation_handlers.py").write_text(HANDLERS)
     common = {
-        "functions": (FunctionSpec("classify", "ablation_handlers:classify", models=("resnet18",)),),
+        "functions": (ProxyFunction("classify", "ablation_handlers:classify", models=("resnet18",)),),
         "sys_path": (str(root),),
         "state_dir": str(root / "state"),
         "prefork": 0,

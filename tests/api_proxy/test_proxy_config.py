@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig, ablation_options
+from streambox.api_proxy.function_spec import FunctionSpec
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction, ablation_options
 from streambox.comm.config import StoreConfig
 from streambox.config import SettingsError
 from streambox.flags import MECHANISMS, RUN, add_setting_flags
@@ -61,7 +62,7 @@ def test_each_switch_overrides_one_mechanism():
 
 def test_json_round_trip_keeps_the_switches():
     c = config(pool_mode="static", io_daemon=True, bt=False, pa=False, recycler="thread", device_mode="timed")
-    c = c.with_overrides(functions=(FunctionSpec("f", "m:f", models=("resnet18",)),))
+    c = c.with_overrides(functions=(ProxyFunction("f", "m:f", models=("resnet18",)),))
     assert ProxyConfig.from_json(c.to_json()) == c
     assert c.settings()["device"]["device_mode"] == "timed"
 
@@ -88,11 +89,22 @@ def test_invalid_settings_name_the_field_the_value_and_the_allowed(options, name
         assert name in str(error.value)
 
 
+def test_the_proxy_function_is_the_workflow_function_with_its_name():
+    """One definition of a function's fields: the proxy's record adds the name, nothing else."""
+    assert set(ProxyFunction.model_fields) == set(FunctionSpec.model_fields) | {"name"}
+    spec = FunctionSpec(handler="m:f", models=["resnet18"], batch_size=2, max_queue_delay_ms=5.0, params={})
+    record = ProxyFunction.of("f", spec, default_timeout_ms=2000.0)
+    assert record.name == "f" and record.timeout_s == 2.0 and record.max_queue_delay_s == 0.005
+    assert record.model_dump(exclude={"name", "timeout_ms"}) == spec.model_dump(exclude={"timeout_ms"})
+    own = ProxyFunction.of("g", spec.model_copy(update={"timeout_ms": 500.0}), default_timeout_ms=2000.0)
+    assert own.timeout_s == 0.5  # the function's own limit wins over the workflow's
+
+
 def test_function_specs_are_checked():
-    with pytest.raises(SettingsError, match="handler 'nocolon' is not 'module:function'"):
-        FunctionSpec("f", "nocolon")
+    with pytest.raises(SettingsError, match=r"handler 'nocolon' String should match pattern '\^\[A-Za-z_\]"):
+        ProxyFunction("f", "nocolon")
     with pytest.raises(SettingsError, match="duplicate function names"):
-        config(functions=(FunctionSpec("f", "m:f"), FunctionSpec("f", "m:g")))
+        config(functions=(ProxyFunction("f", "m:f"), ProxyFunction("f", "m:g")))
 
 
 def test_string_options_are_parsed_and_checked():

@@ -16,7 +16,7 @@ import torch
 
 from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy
 from streambox.api_proxy.errors import FunctionCrashed, FunctionFailed, FunctionTimeout, UnknownFunction
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 
 HANDLERS = textwrap.dedent(
     """
@@ -123,18 +123,18 @@ HANDLERS = textwrap.dedent(
 )
 
 FUNCTIONS = (
-    FunctionSpec("noop", "proxy_test_handlers:noop"),
-    FunctionSpec("sleepy", "proxy_test_handlers:sleepy", max_instances=3),
-    FunctionSpec("classify", "proxy_test_handlers:classify", models=("resnet18",)),
-    FunctionSpec("consume", "proxy_test_handlers:consume", models=("resnet18",), max_instances=2),
-    FunctionSpec("by_kernels", "proxy_test_handlers:by_kernels", models=("resnet18",)),
-    FunctionSpec("boom", "proxy_test_handlers:boom"),
-    FunctionSpec("crash", "proxy_test_handlers:crash"),
-    FunctionSpec("sigkill", "proxy_test_handlers:sigkill"),
-    FunctionSpec("hang", "proxy_test_handlers:hang", timeout_s=1.5),
-    FunctionSpec("foreign", "proxy_test_handlers:foreign"),
-    FunctionSpec("not_json", "proxy_test_handlers:not_json"),
-    FunctionSpec("reput", "proxy_test_handlers:reput", models=("resnet18",)),
+    ProxyFunction("noop", "proxy_test_handlers:noop"),
+    ProxyFunction("sleepy", "proxy_test_handlers:sleepy", max_instances=3),
+    ProxyFunction("classify", "proxy_test_handlers:classify", models=("resnet18",)),
+    ProxyFunction("consume", "proxy_test_handlers:consume", models=("resnet18",), max_instances=2),
+    ProxyFunction("by_kernels", "proxy_test_handlers:by_kernels", models=("resnet18",)),
+    ProxyFunction("boom", "proxy_test_handlers:boom"),
+    ProxyFunction("crash", "proxy_test_handlers:crash"),
+    ProxyFunction("sigkill", "proxy_test_handlers:sigkill"),
+    ProxyFunction("hang", "proxy_test_handlers:hang", timeout_ms=1500.0),
+    ProxyFunction("foreign", "proxy_test_handlers:foreign"),
+    ProxyFunction("not_json", "proxy_test_handlers:not_json"),
+    ProxyFunction("reput", "proxy_test_handlers:reput", models=("resnet18",)),
 )
 
 

@@ -26,7 +26,7 @@ import torch
 from streambox.api_proxy.control import ProxyClient, control_address
 from streambox.api_proxy.errors import FunctionCrashed, FunctionFailed
 from streambox.api_proxy.proxy import ProxyServer
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 from streambox.kernel_compiler.lowering import lower_module
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.plan import KernelPlan
@@ -86,9 +86,9 @@ def served(tmp_path_factory, pool: ModelPool) -> Iterator[tuple[ProxyServer, Pro
     config = ProxyConfig(
         workflow="wfnb",
         functions=(
-            FunctionSpec("noop", "nonblocking_handlers:noop"),
-            FunctionSpec("classify", "nonblocking_handlers:classify", models=("resnet18",), max_instances=3),
-            FunctionSpec(
+            ProxyFunction("noop", "nonblocking_handlers:noop"),
+            ProxyFunction("classify", "nonblocking_handlers:classify", models=("resnet18",), max_instances=3),
+            ProxyFunction(
                 "overwrite_after_infer", "nonblocking_handlers:overwrite_after_infer", models=("resnet18",)
             ),
         ),

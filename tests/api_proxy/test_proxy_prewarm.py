@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from streambox.api_proxy.control import launch_proxy
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 from streambox.api_proxy.template import resolve_handler, warm_up_modules
 
 HANDLERS = textwrap.dedent(
@@ -39,8 +39,8 @@ def test_prewarmed_instances_are_idle_at_deploy_and_serve_the_first_requests_war
     config = ProxyConfig(
         workflow="wfp",
         functions=(
-            FunctionSpec("noop", "prewarm_handlers:noop", max_instances=2),
-            FunctionSpec("other", "prewarm_handlers:noop", max_instances=3),
+            ProxyFunction("noop", "prewarm_handlers:noop", max_instances=2),
+            ProxyFunction("other", "prewarm_handlers:noop", max_instances=3),
         ),
         sys_path=(str(tmp_path),),
         state_dir=str(tmp_path / "state"),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from streambox.api_proxy.control import launch_proxy
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 from streambox.comm.ipc_store import IpcCosts
 from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import MiB
@@ -40,7 +40,7 @@ HANDLERS = textwrap.dedent(
     """
 )
 
-FUNCTIONS = tuple(FunctionSpec(n, f"store_test_handlers:{n}") for n in ("produce", "consume", "drop"))
+FUNCTIONS = tuple(ProxyFunction(n, f"store_test_handlers:{n}") for n in ("produce", "consume", "drop"))
 N = 256 * 1024  # floats: 1 MiB
 
 

@@ -57,16 +57,23 @@ def test_every_runtime_context_offers_the_sdk_protocol_with_one_get_timeout():
     from streambox.api_proxy.client import ProxyContext
     from streambox.sdk import GET_TIMEOUT_S, Context
     from streambox.workflows.local import LocalContext
-    from streambox.workflows.monolithic_instance import MonolithicContext
 
     calls = ("key", "upload", "download", "infer", "put", "get", "delete", "synchronize")
-    for cls in (ProxyContext, LocalContext, MonolithicContext):
+    for cls in (ProxyContext, LocalContext):  # LocalContext serves the monolithic instances too
         missing = [name for name in calls if not callable(getattr(cls, name, None))]
         assert missing == [], f"{cls.__name__} lacks {missing}"
         assert inspect.signature(cls.get).parameters["timeout"].default == GET_TIMEOUT_S == 10.0
         put = list(inspect.signature(cls.put).parameters)
         assert put[:5] == ["self", "key", "handle", "consumers", "ttl"]
     assert streambox.Context is Context
+
+
+def test_a_get_timeout_is_a_timeout_error_in_every_runtime():
+    from streambox.api_proxy.errors import KeyNotFound, decode_error
+    from streambox.comm.errors import GetTimeout
+
+    assert issubclass(GetTimeout, TimeoutError) and issubclass(KeyNotFound, TimeoutError)
+    assert isinstance(decode_error(["KeyNotFound", "GET 'k': no data"]), TimeoutError)
 
 
 def test_errors_cross_the_wire_structured():

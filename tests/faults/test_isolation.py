@@ -12,7 +12,7 @@ import time
 import pytest
 
 from streambox.api_proxy.control import ProxyClient, launch_proxy
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 
 HANDLERS = textwrap.dedent(
     """
@@ -55,8 +55,8 @@ def proxy(tmp_path_factory):
     root = tmp_path_factory.mktemp("isolation")
     (root / "isolation_handlers.py").write_text(HANDLERS)
     functions = (
-        FunctionSpec("hold", "isolation_handlers:hold"),
-        FunctionSpec("scan", "isolation_handlers:scan"),
+        ProxyFunction("hold", "isolation_handlers:hold"),
+        ProxyFunction("scan", "isolation_handlers:scan"),
     )
     launched = launch_proxy(
         ProxyConfig(

@@ -10,7 +10,7 @@ import textwrap
 import time
 
 from streambox.api_proxy.control import AsyncProxyClient, launch_proxy
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 
 HANDLERS = textwrap.dedent(
     """
@@ -46,7 +46,7 @@ def test_offenders_fail_alone_and_leave_nothing_behind(tmp_path):
     (tmp_path / "mixed_fault_handlers.py").write_text(HANDLERS)
     config = ProxyConfig(
         workflow="mixedf",
-        functions=(FunctionSpec("act", "mixed_fault_handlers:act", max_instances=6, timeout_s=1.0),),
+        functions=(ProxyFunction("act", "mixed_fault_handlers:act", max_instances=6, timeout_ms=1000.0),),
         sys_path=(str(tmp_path),),
         state_dir=str(tmp_path / "state"),
     )

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from streambox.api_proxy import protocol, wire
 from streambox.api_proxy.control import launch_proxy
 from streambox.api_proxy.errors import FunctionCrashed, ProxyError
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 
 HANDLERS = textwrap.dedent(
     """
@@ -105,7 +105,7 @@ def proxy(request, tmp_path_factory):
     (root / "fuzz_handlers.py").write_text(HANDLERS)
     config = ProxyConfig(
         workflow="wffuzz",
-        functions=(FunctionSpec("fuzz", "fuzz_handlers:fuzz"), FunctionSpec("good", "fuzz_handlers:good")),
+        functions=(ProxyFunction("fuzz", "fuzz_handlers:fuzz"), ProxyFunction("good", "fuzz_handlers:good")),
         sys_path=(str(root),),
         state_dir=str(root / "state"),
         channel=request.param,

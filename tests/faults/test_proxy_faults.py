@@ -19,7 +19,7 @@ import pytest
 
 from streambox.api_proxy.control import AsyncProxyClient, ProxyClient, ProxyDied, launch_proxy
 from streambox.api_proxy.errors import IsolationError
-from streambox.api_proxy.proxy_config import FunctionSpec, ProxyConfig
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 from streambox.config import Config
 from streambox.workflows import Engine, parse_spec
 from streambox.workflows.proxy_invoker import ProxyInvoker
@@ -66,9 +66,9 @@ HANDLERS = textwrap.dedent(
 )
 
 FUNCTIONS = (
-    FunctionSpec("echo", "fault_ctl_handlers:echo"),
-    FunctionSpec("sleepy", "fault_ctl_handlers:sleepy", max_instances=4),
-    FunctionSpec("intrude", "fault_ctl_handlers:intrude"),
+    ProxyFunction("echo", "fault_ctl_handlers:echo"),
+    ProxyFunction("sleepy", "fault_ctl_handlers:sleepy", max_instances=4),
+    ProxyFunction("intrude", "fault_ctl_handlers:intrude"),
 )
 
 

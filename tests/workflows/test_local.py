@@ -157,3 +157,22 @@ def test_keep_alive_scales_to_zero(make_invoker, run):
 
     first, live, second = run(go())
     assert live == 1 and first.cold_starts == 1 and second.cold_starts == 1
+
+
+HANDLES = """
+name: handles
+slo_ms: 1000
+functions:
+  kinds: {handler: wf_test_handlers:handle_kinds}
+"""
+
+
+def test_run_local_hands_out_the_one_handle_and_checks_it(make_invoker, run):
+    (result,), _ = run(serve_requests(make_invoker(), HANDLES, [{}]))
+    assert result.ok, result.error
+    out = result.output
+    assert out["type"] == "Handle" and out["dtype"] == "float32" and out["sum"] == 6.0
+    refused = out["refused"]
+    assert refused["forged"].startswith("StoreError: download: handle")
+    assert refused["foreign"].startswith("IsolationError: download: the handle belongs to workflow 'other'")
+    assert refused["not_a_handle"].startswith("TypeError: download takes a device-tensor handle")

@@ -48,9 +48,7 @@ def sides(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[_Sid
 
 def _put(side: _Side, key: str, x: torch.Tensor, request: str = "r1", consumers: int | None = None) -> None:
     handle = upload_tensor(side.runtime, x, side.allocator.allocate, side.stream)
-    ready = side.runtime.create_event(timing=False)
-    ready.record(side.stream)
-    side.store.put(key, handle, ready, request, consumers)
+    side.store.put(key, handle, consumers=consumers, stream=side.stream, owner=request)
 
 
 def test_the_consumer_copies_the_producers_bytes_and_the_producer_frees_them(
@@ -64,8 +62,8 @@ def test_the_consumer_copies_the_producers_bytes_and_the_producer_frees_them(
     assert producer.store.cached_bytes == x.nbytes  # held in the producer's own device memory
     assert producer.runtime.allocated_bytes() > before
     for n in (1, 2):
-        got, last = consumer.store.get("wf/r1/a", timeout=1.0, stream=consumer.stream)
-        assert last == (n == 2) and got.shape == (10, 100) and got.dtype == torch.float32
+        got, last, copy, _ = consumer.store.get("wf/r1/a", timeout=1.0, stream=consumer.stream)
+        assert last == (n == 2) and copy and got.shape == (10, 100) and got.dtype == torch.float32
         if not timed:  # functional mode: the real bytes arrived in the consumer's runtime
             assert torch.equal(download_tensor(consumer.runtime, got, consumer.stream).view(10, 100), x)
         consumer.allocator.free(got.address, consumer.stream)
@@ -82,13 +80,12 @@ def test_refusals_and_the_end_of_a_request(sides: tuple[_Side, _Side]) -> None:
     _put(producer, "wf/r1/kept", x)  # no declared consumers: kept until deleted or the request ends
     with pytest.raises(StoreError, match="already stored"):
         _put(producer, "wf/r1/kept", x)
-    got, last = consumer.store.get("wf/r1/kept", timeout=1.0, stream=consumer.stream)
-    assert not last
-    consumer.allocator.free(got.address, consumer.stream)
+    got = consumer.store.get("wf/r1/kept", timeout=1.0, stream=consumer.stream)
+    assert not got.consumed and got.copy
+    consumer.allocator.free(got.tensor.address, consumer.stream)
     _put(producer, "wf/r1/gone", x)
-    consumer.store.delete("wf/r1/gone")
-    with pytest.raises(StoreError, match="no such key"):
-        consumer.store.delete("wf/r1/gone")
+    assert consumer.store.delete("wf/r1/gone") is True
+    assert consumer.store.delete("wf/r1/gone") is False  # ctx.delete turns this into "no such key"
     producer.store.registry.end_request("wf", "r1")
     assert producer.store.reap() == 2 and producer.store.cached_bytes == 0
     with pytest.raises(StoreError, match="request r1 has ended"):

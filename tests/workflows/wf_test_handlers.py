@@ -88,3 +88,27 @@ def classify(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
 def wrong_model(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
     ctx.infer("vgg16", torch.zeros(1, 3, 32, 32))
     return {}
+
+
+def handle_kinds(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
+    """What run-local hands a handler (a `streambox.Handle`), and what it refuses back."""
+    from streambox import Handle
+
+    h = ctx.upload(torch.arange(4, dtype=torch.float32))
+    refused = {}
+    for name, bad in (
+        ("forged", Handle(ctx.workflow, h.address + 4096, "float32", (4,), (1,), 16)),
+        ("foreign", Handle("other", h.address, "float32", (4,), (1,), 16)),
+        ("not_a_handle", [1, 2]),
+    ):
+        try:
+            ctx.download(bad)
+        except Exception as error:  # the error's type and message are the result
+            refused[name] = f"{type(error).__name__}: {error}"
+    wire = list(h)  # a handle through JSON (as a 6-array) is still the same handle
+    return {
+        "type": type(h).__name__,
+        "dtype": h.dtype,
+        "sum": float(ctx.download(wire).sum()),
+        "refused": refused,
+    }

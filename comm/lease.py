@@ -1,4 +1,10 @@
-"""What a GET hands out (`Handle`, a lease on device memory) and the small types the store shares."""
+"""What a GET hands out (`Lease`: the reader's hold on device bytes until it releases them) and the
+small types the stores share.
+
+Not to be confused with `streambox.Handle` (api_proxy/handles.py), the one handle a function sees: a
+plain wire reference to a buffer of its workflow's proxy. The proxy takes a `Lease` from its store on
+a function's GET and hands the function a `Handle` of the lease's bytes; the lease stays in the proxy.
+"""
 
 from __future__ import annotations
 
@@ -92,7 +98,7 @@ class StoreStats:
 
 
 @dataclass(eq=False)
-class Handle:
+class Lease:
     """What a GET returns: a device tensor on the reader's GPU, held as a lease until released.
 
     It has the fields of `api_proxy.device_tensor.DeviceTensor` (address, dtype, shape, strides,
@@ -115,7 +121,7 @@ class Handle:
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
         return (
-            f"<Handle {self.key!r} gpu{self.device} {self.address:#x} {dtype_name(self.dtype)}"
+            f"<Lease {self.key!r} gpu{self.device} {self.address:#x} {dtype_name(self.dtype)}"
             f"{list(self.shape)} {self.transport.value} {state}>"
         )
 
@@ -145,7 +151,7 @@ class Handle:
     def _expired(self) -> None:
         self._released = True
 
-    def __enter__(self) -> Handle:
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc: object) -> None:
