@@ -376,39 +376,55 @@ class DeviceMemoryPool:
         with self._lock:
             if self._closed:
                 raise DeviceError("memory pool is closed")
+            freed = 0
             if addresses:
-                frees, count = self._free_locked(addresses, stream)
-                self._after_frees(frees, count, started)
+                frees, freed = self._free_locked(addresses, stream)
+                self.counters.frees += freed
             else:
                 frees = self._streams.get(stream)
-            if not sizes:
-                return got
-            allocated = time.perf_counter()
-            live, sub, demand, reuses = self._live, self._sub, self._demand, 0
+            if sizes:
+                self._allocate_fast_locked(sizes, frees, got)
+            metrics = self.metrics
+            if metrics is not None and (freed or got):
+                now = time.perf_counter()
+                sub = self._sub
+                metrics.update(now, sub._reserved, sub._allocated, self._demand)
+                each = (now - started) / (freed + len(got))  # one call's time, amortised
+                if freed:
+                    metrics.record_free(each, freed)
+                if got:
+                    metrics.record_alloc(each, len(got))
+            if freed:
+                self._bound_if_ahead(frees)
+        return got
+
+    def _allocate_fast_locked(self, sizes: Sequence[int], frees: _StreamFrees | None, got: list[int]) -> None:
+        """`try_allocate`'s fast path for each of `sizes` in turn (a pending block of the stream, else
+        the sub-allocator), appending to `got`; stops at the first that needs the slow path."""
+        live, sub, demand, reuses = self._live, self._sub, self._demand, 0
+        by_size = frees.by_size if frees is not None else None
+        try:
             for nbytes in sizes:
                 size = _aligned(nbytes)
-                address = frees.take(size) if frees is not None and frees.pending else None
-                if address is None:
+                bucket = by_size.get(size) if by_size else None
+                if bucket:  # inline `_StreamFrees.take`: the common case of a lazily allocated plan
+                    address = bucket.popitem()[0]
+                    if not bucket:
+                        del by_size[size]  # type: ignore[union-attr]
+                    del frees.pending[address]  # type: ignore[union-attr]
+                    frees.pending_bytes -= size  # type: ignore[union-attr]
+                    reuses += 1
+                else:
                     address = sub.allocate(size)
                     if address is None:
-                        break
-                else:
-                    reuses += 1
+                        return
                 live[address] = nbytes
                 demand += nbytes
                 got.append(address)
+        finally:
             self._demand = demand
-            counters = self.counters
-            counters.allocations += len(got)
-            counters.same_stream_reuses += reuses
-            metrics = self.metrics
-            if metrics is not None and got:
-                now = time.perf_counter()
-                metrics.update(now, sub._reserved, sub._allocated, demand)
-                each = (now - allocated) / len(got)
-                for _ in got:
-                    metrics.record_alloc(each)
-        return got
+            self.counters.allocations += len(got)
+            self.counters.same_stream_reuses += reuses
 
     def _free_locked(
         self, addresses: Iterable[int], stream: Stream | None
@@ -469,6 +485,9 @@ class DeviceMemoryPool:
             sub = self._sub
             metrics.update(now, sub._reserved, sub._allocated, self._demand)
             metrics.record_free((now - started) / count, count)
+        self._bound_if_ahead(frees)
+
+    def _bound_if_ahead(self, frees: _StreamFrees | None) -> None:
         limit = self.config.run_ahead_bytes
         if (
             frees is not None
