@@ -9,9 +9,13 @@ buffers whose count is reached back to the allocator (eager recycling). Frees ar
 a buffer returns to the allocator only after the kernels issued before the free have run.
 
 What a static plan decides once (ops, arguments, the rows each kernel touches, grids) is resolved
-once per plan (`plan_program.PlanProgram`), and a kernel's call with its tensors in place is bound
-once per instance and address set (`plan_program.KernelCalls`), so the hot loop (`_issue`) only
-counts, allocates, launches and frees (docs/api_proxy.md, "The plan executor").
+once per plan (`plan_program.PlanProgram`), so are the kernels at which each variable is allocated
+and recycled (`PlanProgram.schedule`: `memory_pool.access_schedule`), and a kernel's call with its
+tensors in place is bound once per instance and address set (`plan_program.KernelCalls`), so the hot
+loop (`_issue_scheduled`) only makes one allocator call per kernel (`free_and_allocate`: what the
+previous kernel spent, what this one touches first), launches and retires (docs/api_proxy.md, "The
+plan executor"). `_issue` counts per access instead, for the background recycler and for a plan
+whose expected counts are too low (it raises `RecycledAccess` where the count is passed).
 
 The pool mode decides the mechanisms (`PlanExecutor.for_mode`): `static` allocates every variable up
 front and frees them at the end of the run; `fm` and `fm+rs` allocate lazily and recycle eagerly.

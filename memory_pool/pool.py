@@ -20,6 +20,10 @@ Frees are stream-ordered, as with cuMemFreeAsync. `free_many(addresses, stream)`
   stream: once the event has completed, the blocks go back to the sub-allocator and coalesce
   (`collect`; also on the stream's next `free_many` and when an allocation does not fit).
 
+`free_and_allocate(addresses, sizes, stream)` is `free_many` then an allocation of each size, under
+one acquisition of the lock with one metrics update: the executor's one call per kernel (the blocks
+the previous kernel spent, then the ones this kernel touches first, which may reuse them at once).
+
 Run-ahead bound: once more than `run_ahead_bytes` (4 MiB) of a stream's fenced frees wait for the
 device, `free_many` waits for the oldest fence before it returns (flow control: the issuing thread
 stays near its device, so freed blocks come back soon after; `counters.run_ahead_waits`).
