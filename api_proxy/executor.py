@@ -9,9 +9,13 @@ buffers whose count is reached back to the allocator (eager recycling). Frees ar
 a buffer returns to the allocator only after the kernels issued before the free have run.
 
 What a static plan decides once (ops, arguments, the rows each kernel touches, grids) is resolved
-once per plan (`plan_program.PlanProgram`), and a kernel's call with its tensors in place is bound
-once per instance and address set (`plan_program.KernelCalls`), so the hot loop (`_issue`) only
-counts, allocates, launches and frees (docs/api_proxy.md, "The plan executor").
+once per plan (`plan_program.PlanProgram`), so are the kernels at which each variable is allocated
+and recycled (`PlanProgram.schedule`: `memory_pool.access_schedule`), and a kernel's call with its
+tensors in place is bound once per instance and address set (`plan_program.KernelCalls`), so the hot
+loop (`_issue_scheduled`) only makes one allocator call per kernel (`free_and_allocate`: what the
+previous kernel spent, what this one touches first), launches and retires (docs/api_proxy.md, "The
+plan executor"). `_issue` counts per access instead, for the background recycler and for a plan
+whose expected counts are too low (it raises `RecycledAccess` where the count is passed).
 
 The pool mode decides the mechanisms (`PlanExecutor.for_mode`): `static` allocates every variable up
 front and frees them at the end of the run; `fm` and `fm+rs` allocate lazily and recycle eagerly.
@@ -37,6 +41,7 @@ from functools import partial
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.cost_model import launch_durations
 from streambox.kernel_compiler.plan import Kernel
+from streambox.memory_pool.access_schedule import AccessSchedule
 from streambox.memory_pool.mapping_table import HeldBuffer, MappingEntry, MappingTable
 from streambox.memory_pool.modes import PoolMode
 from streambox.memory_pool.scaler import PositionBoard
@@ -118,7 +123,7 @@ class _Instance:
     """A function instance's mapping table, the stream its buffers are freed on, and its kernels'
     bound calls."""
 
-    __slots__ = ("table", "lock", "stream", "program", "ephemeral", "rows", "calls", "reset")
+    __slots__ = ("table", "lock", "stream", "program", "ephemeral", "rows", "first", "last", "calls", "reset")
 
     def __init__(self, eager_recycling: bool, ephemeral: bool) -> None:
         self.table = MappingTable(eager_recycling=eager_recycling)
@@ -128,6 +133,10 @@ class _Instance:
         self.ephemeral = ephemeral
         # Per kernel of `program`: the table rows it touches, looked up once per registration.
         self.rows: list[tuple[MappingEntry, ...]] = []
+        # Per kernel, the rows its access schedule allocates before it and recycles after it (empty
+        # when the plan runs through the table's counting path).
+        self.first: list[tuple[MappingEntry, ...]] = []
+        self.last: list[tuple[MappingEntry, ...]] = []
         # The calls bound by this instance's runs (the stream's worker binds and calls them).
         self.calls: KernelCalls | None = None
         # The table holds nothing and counts no access (its last run ended): the next run needs no reset.
@@ -173,6 +182,9 @@ class PlanExecutor:
         self._free_batch: Callable[[list[int], Stream], None] = free_many or (
             lambda addresses, stream: free_all(allocator, addresses, stream)
         )
+        self._free_and_allocate: Callable[[list[int], tuple[int, ...], Stream], list[int]] = (
+            getattr(allocator, "free_and_allocate", None) or self._free_then_allocate
+        )
         self._generation = _release_generation(allocator)
         self._instances: dict[Hashable, _Instance] = {}
         self._lock = threading.Lock()
@@ -187,6 +199,27 @@ class PlanExecutor:
         return cls(runtime, allocator, eager_recycling=mode.eager_recycling, lazy=mode.lazy, **options)  # type: ignore[arg-type]
 
     # -- instances ------------------------------------------------------------------------------
+    def _schedule(self, program: PlanProgram) -> AccessSchedule | None:
+        """The plan's access schedule for this executor's mechanisms, or None: the table's counting
+        path (the background recycler takes spent buffers from the table's queue; a plan whose
+        expected counts are too low raises `RecycledAccess` where the count is passed)."""
+        if self.eager_recycling and self.recycler != "kernel":
+            return None
+        return program.schedule(self.lazy, self.eager_recycling)
+
+    def _free_then_allocate(self, addresses: list[int], sizes: tuple[int, ...], stream: Stream) -> list[int]:
+        """`free_and_allocate` for an allocator without it: a batch free, then one `allocate` per size."""
+        if addresses:
+            self._free_batch(addresses, stream)
+        got: list[int] = []
+        try:
+            for nbytes in sizes:
+                got.append(self.allocator.allocate(nbytes, stream=stream))
+        except BaseException:
+            free_all(self.allocator, got, stream)
+            raise
+        return got
+
     def _program(self, model: DeviceModel) -> PlanProgram:
         """The model's program with its kernels' GPU times on this device (timed mode), once per model."""
         if model._program is None:
@@ -218,6 +251,10 @@ class PlanExecutor:
                 state.table.register_many(instance, program.key, program.managed)
                 rows = state.table.rows(instance, program.key, [name for name, _, _ in program.managed])
                 state.rows = [tuple(rows[r] for r in k.rows) for k in program.kernels]
+                schedule = self._schedule(program)
+                steps = schedule.steps if schedule is not None else ()
+                state.first = [tuple(rows[r] for r in step.first) for step in steps]
+                state.last = [tuple(rows[r] for r in step.last) for step in steps]
                 state.program = program
             else:
                 leftovers = [] if state.reset else state.table.reset_instance(instance)
@@ -314,7 +351,8 @@ class PlanExecutor:
         try:
             if profile:
                 result._events.append(self._record(stream))
-            self._issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
+            issue = self._issue if self._schedule(program) is None else self._issue_scheduled
+            issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
             with state.lock:
                 result.outputs.update(self._take_outputs(instance, state, program))
                 leftovers = self._end_run(instance, state)
@@ -386,6 +424,70 @@ class PlanExecutor:
                         timed.append(k.index)
             if spent:
                 free_batch(spent, stream)
+        result.stats.kernels = program.compute_kernels
+        result.stats.peak_live_bytes = peak
+        result.stats.allocations = table.allocations - allocations
+
+    def _issue_scheduled(
+        self,
+        instance: Hashable,
+        state: _Instance,
+        model: DeviceModel,
+        inputs: Mapping[str, DeviceTensor],
+        stream: Stream,
+        cu_cap: int | None,
+        on_kernel: Callable[[int, Kernel], None] | None,
+        result: RunResult,
+    ) -> None:
+        """The hot loop when the plan's access schedule decided the moments (`AccessSchedule`): per
+        kernel, one allocator call frees what the previous kernel spent and allocates what this one
+        touches first, the kernel's call is launched for its rows' addresses, and the rows at their
+        last expected access are recycled. No per-access counting, one pool call per kernel."""
+        program, table, lock, rows = model.program, state.table, state.lock, state.rows
+        first, last = state.first, state.last
+        steps = self._schedule(program).steps  # type: ignore[union-attr]  # checked by `run`
+        with lock:
+            calls = self._calls_for(state, model)
+        run_inputs = RunInputs(inputs)
+        events, timed = result._events, result._timed
+        free_and_allocate, launch = self._free_and_allocate, self.runtime.launch
+        board, generation, name, batch = self.positions, self._generation, model.plan.model, model.plan.batch
+        input_address = {n: t.address for n, t in inputs.items()}
+        profile, allocations = bool(events), table.allocations
+        if not self.lazy:
+            with lock:
+                table.materialize(instance, partial(self.allocator.allocate, stream=stream))
+        peak = table.held_bytes
+        spent: list[int] = []  # recycled by the last kernel, freed with the next kernel's allocations
+        try:
+            for k in program.kernels:
+                i = k.index
+                if board is not None:
+                    board.update(instance, name, batch, i, time.perf_counter(), table.held_bytes)
+                if on_kernel is not None:
+                    on_kernel(i, k.kernel)
+                step = steps[i]
+                with lock:  # against `release_instance` from another thread
+                    if step.first or spent:
+                        freeing, spent = spent, []
+                        table.place(first[i], free_and_allocate(freeing, step.sizes, stream))
+                        peak = max(peak, table.held_bytes)
+                    if k.compute:
+                        addresses = [entry.address for entry in rows[i]]
+                        if k.inputs:
+                            addresses.extend(input_address[n] for n in k.inputs)
+                        if generation is not None and generation() != calls.generation:
+                            calls = self._calls_for(state, model)  # the pool gave memory back meanwhile
+                        launch(stream, partial(calls.call, run_inputs, i, addresses),
+                               blocks=k.blocks, cu_cap=cu_cap, name=k.kernel.name, duration_s=k.duration_s)
+                        if profile:
+                            events.append(self._record(stream))
+                            timed.append(i)
+                    if step.last:
+                        table.retire(last[i], spent)
+        finally:
+            if spent:
+                self._free_batch(spent, stream)
         result.stats.kernels = program.compute_kernels
         result.stats.peak_live_bytes = peak
         result.stats.allocations = table.allocations - allocations

@@ -16,6 +16,14 @@ A turn costs two thread hand-offs, so an issue asks for one only when somebody e
 issue at its slice boundary, or the dispatcher with work at hand (`contended`: a message in a ring,
 a posted callback, a completed device event to deliver). A plan issued alone runs without turns.
 
+Between themselves the issues take the floor (`IssueFloor`): one issues at a time, and at each slice
+boundary it hands the floor to the oldest issue waiting for it, so a small call waits at most one
+slice of a long plan, and two long plans alternate slice by slice. Without the floor they would
+interleave kernel by kernel: every launch then hands the GIL and the device's placement lock back
+and forth between the issuer threads (the emulated device's ledger lock is a system call that gives
+the GIL up), which cost a Traffic request's fan-out more than its kernels' own host work
+(docs/api_proxy.md, "FM's host cost").
+
 A ticket can be cancelled (its instance died): the issue stops at the next slice boundary, the
 executor hands back what the run held, and outputs of a run that finished unseen are freed.
 """
@@ -23,6 +31,7 @@ executor hands back what the run held, and outputs of a run that finished unseen
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -43,12 +52,71 @@ class IssueCancelled(Exception):
     """The instance whose plan was being issued is gone."""
 
 
+class IssueFloor:
+    """One issue at a time; the floor passes to the oldest waiting issue when its holder ends or is at
+    a slice boundary. A waiter that is told to stop (`stop()`: the proxy closes, its instance is gone)
+    leaves the queue and goes on without the floor."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held = False
+        self._queue: deque[threading.Event] = deque()
+
+    def acquire(self, stop: Callable[[], bool]) -> bool:
+        """Wait for the floor; True once held, False if `stop()` ended the wait first."""
+        with self._lock:
+            if not self._held:
+                self._held = True
+                return True
+            handed = threading.Event()
+            self._queue.append(handed)
+        return self._wait(handed, stop)
+
+    def contended(self) -> bool:
+        """Some issue waits for the floor."""
+        return bool(self._queue)
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def pass_on(self, stop: Callable[[], bool]) -> bool:
+        """At a slice boundary of the holder: hand the floor to the oldest waiter, if any, and wait
+        for it back (True), or for `stop()` (False)."""
+        with self._lock:
+            if not self._queue:
+                return True
+            self._queue.popleft().set()
+            handed = threading.Event()
+            self._queue.append(handed)
+        return self._wait(handed, stop)
+
+    def release(self) -> None:
+        with self._lock:
+            if self._queue:
+                self._queue.popleft().set()  # still held: by the next one now
+            else:
+                self._held = False
+
+    def _wait(self, handed: threading.Event, stop: Callable[[], bool]) -> bool:
+        while not handed.wait(TURN_CHECK_S):
+            if stop():
+                with self._lock:
+                    if handed.is_set():
+                        return True  # handed over meanwhile: the caller holds it (and releases it)
+                    self._queue.remove(handed)
+                    return False
+        return True
+
+
 class IssueTicket:
     """One plan's issue on an issuer thread: paced into slices, cancellable."""
 
     def __init__(self, issuer: Issuer) -> None:
         self._waiting, self._wake, self._closed = issuer.waiting, issuer.request_turn, issuer.closed
         self._contended = issuer.is_contended
+        self._floor = issuer.floor
+        self._has_floor = False
         self._slice = issuer.slice_kernels
         self._lock = threading.Lock()
         self._turn = threading.Event()
@@ -58,25 +126,33 @@ class IssueTicket:
         self.future: Future[tuple[bool, Any]] = Future()
 
     def on_kernel(self, index: int, kernel: Any) -> None:
-        """The executor's per-kernel hook: at each slice boundary where somebody else waits, wait for
-        the dispatcher's turn."""
+        """The executor's per-kernel hook: at each slice boundary, hand the floor to a waiting issue,
+        and where somebody else waits, wait for the dispatcher's turn."""
         self._count += 1
-        if self._count % self._slice == 0 and (self._waiting or self._contended()):
-            self._turn.clear()
-            self._waiting.append(self._turn)  # list.append: atomic under the GIL
-            self._wake()
-            while not self._turn.wait(TURN_CHECK_S) and not self._closed.is_set():
-                pass  # a proxy closing grants no more turns
+        if self._count % self._slice == 0:
+            if self._has_floor and self._floor.contended():
+                self._has_floor = self._floor.pass_on(self._stop)
+            if self._waiting or self._contended():
+                self._turn.clear()
+                self._waiting.append(self._turn)  # list.append: atomic under the GIL
+                self._wake()
+                while not self._turn.wait(TURN_CHECK_S) and not self._closed.is_set():
+                    pass  # a proxy closing grants no more turns
         if self._cancelled:
             raise IssueCancelled("the instance was dropped while its plan was being issued")
 
     def run(self, issue: Issue, free: Free, stream: Stream) -> None:
         """On an issuer thread: the issue; its outcome as `(True, result)` or `(False, error)`."""
+        self._has_floor = self._floor.acquire(self._stop)
         try:
             result = issue(self.on_kernel)
         except BaseException as exc:  # noqa: BLE001 - handed to the call, raised there as it was
             self.future.set_result((False, exc))
             return
+        finally:
+            if self._has_floor:
+                self._has_floor = False
+                self._floor.release()
         with self._lock:
             if self._cancelled:  # nobody will take the outputs: hand them back, stream-ordered
                 free([t.address for t in result.outputs.values()], stream)
@@ -84,6 +160,10 @@ class IssueTicket:
                 return
             self._delivered = True
         self.future.set_result((True, result))
+
+    def _stop(self) -> bool:
+        """Stop waiting for the floor: the proxy is closing or the instance is gone."""
+        return self._cancelled or self._closed.is_set()
 
     def cancel(self, timeout_s: float) -> RunResult | None:
         """Stop the issue (its instance is gone) and wait for the thread to let go of it. Returns the
@@ -117,6 +197,7 @@ class Issuer:
         self.waiting: list[threading.Event] = []  # issues at a slice boundary, waiting for a turn
         self.requested = threading.Event()  # set while one waits: ends the dispatcher's idle pause
         self.closed = threading.Event()
+        self.floor = IssueFloor()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="streambox-issuer")
 
     def submit(self, issue: Issue, free: Free, stream: Stream) -> IssueTicket:

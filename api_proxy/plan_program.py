@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -26,6 +26,7 @@ from streambox.device import Runtime
 from streambox.kernel_compiler.argcodec import var_names
 from streambox.kernel_compiler.ops import bind_kernel, invoke_kernel
 from streambox.kernel_compiler.plan import Kernel, KernelPlan, VarSpec
+from streambox.memory_pool.access_schedule import AccessSchedule
 
 from .device_tensor import DeviceTensor
 
@@ -76,6 +77,10 @@ class PlanProgram:
     dtypes: Mapping[str, torch.dtype]
     producers: Mapping[str, Kernel]  # view variable -> the view kernel that makes it
     compute_kernels: int
+    # (lazy, eager) -> the plan's access schedule (None: its counts raise, see `access_schedule`).
+    _schedules: dict[tuple[bool, bool], AccessSchedule | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def of(cls, plan: KernelPlan, durations: Sequence[float] | None = None) -> PlanProgram:
@@ -116,6 +121,20 @@ class PlanProgram:
             producers={out: k for k in plan.kernels if k.kind == "view" for out in k.outputs},
             compute_kernels=sum(k.compute for k in kernels),
         )
+
+    def schedule(self, lazy: bool, eager: bool) -> AccessSchedule | None:
+        """When each managed variable is allocated and recycled under a pool mode's mechanisms,
+        decided once per plan and mode (None when the plan's expected counts are too low)."""
+        key = (lazy, eager)
+        if key not in self._schedules:
+            self._schedules[key] = AccessSchedule.of(
+                [nbytes for _, nbytes, _ in self.managed],
+                [expected for _, _, expected in self.managed],
+                [k.rows for k in self.kernels],
+                lazy=lazy,
+                eager=eager,
+            )
+        return self._schedules[key]
 
     def rows_of(self, kernel: ProgramKernel) -> tuple[str, ...]:
         return tuple(self.managed[row][0] for row in kernel.rows)

@@ -31,7 +31,7 @@ the weights it is the first to use).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +85,11 @@ class ReclaimingAllocator:
 
     def free_many(self, addresses: Iterable[int], stream: Stream | None) -> None:
         self.pool.free_many(addresses, stream)
+
+    def free_and_allocate(self, addresses: Sequence[int], sizes: Sequence[int], stream: Stream) -> list[int]:
+        """The pool's `free_and_allocate` (one call per kernel on its fast path), reclaiming as
+        `allocate` does for a size the fast path cannot place."""
+        return self.pool.free_and_allocate(addresses, sizes, stream, self.allocate)
 
     def fence(self, stream: Stream, event: Any = None) -> None:
         self.pool.fence(stream, event)

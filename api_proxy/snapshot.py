@@ -38,6 +38,7 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
             "reserved_bytes": pool.reserved_bytes,
             "allocated_bytes": pool.allocated_bytes,
             "trims": pool.counters.trims,  # times the pool gave memory back to the device
+            "counters": asdict(pool.counters),
         },
         "batching": res.batching.counters(),  # infers run as batches (api_proxy/batched_infer.py)
         "keys": len(server.store.keys()),

@@ -86,7 +86,11 @@ class EmulatedStream(Stream):
         self.priority = priority
         self.lane = f"stream:{stream_id}"
         self._runtime = runtime
-        self._cond = threading.Condition()
+        # One lock, two conditions: the worker waits for work (`_work`), callers wait for completions
+        # (`_cond`), so an operation resolved inline does not wake the idle worker for nothing.
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self._work = threading.Condition(lock)
         self._queue: deque[_Op] = deque()
         self._busy = False
         self._issued = 0
@@ -140,7 +144,7 @@ class EmulatedStream(Stream):
             if on_idle is not None and idle:
                 on_idle(max(issued, self._cursor))
             self._queue.append(op)
-            self._cond.notify()
+            self._work.notify()
             return op.seq
 
     def enqueue_copy(self, engine: CopyEngine, job: CopyJob) -> int:
@@ -173,7 +177,7 @@ class EmulatedStream(Stream):
         while True:
             with self._cond:
                 while not self._queue:
-                    self._cond.wait()
+                    self._work.wait()
                 op = self._queue.popleft()
                 if op.fn is None:
                     return
@@ -237,7 +241,7 @@ class EmulatedStream(Stream):
                 return
             self._destroyed = True
             self._queue.append(_Op(0, 0.0, None))
-            self._cond.notify()
+            self._work.notify()
         self._runtime.forget_stream(self)
 
     def stop(self) -> None:
@@ -246,7 +250,7 @@ class EmulatedStream(Stream):
             if not self._destroyed:
                 self._destroyed = True
                 self._queue.append(_Op(0, 0.0, None))
-                self._cond.notify()
+                self._work.notify()
         if self.thread is not threading.current_thread():
             self.thread.join()
 

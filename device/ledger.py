@@ -32,7 +32,6 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +153,7 @@ class Ledger:
         self.slots = slots
         self._lock = threading.RLock()
         self._depth = 0  # nesting of _locked in the thread holding _lock
+        self._device_lock = _DeviceLock(self)
         self._owned: dict[int, int] = {}  # slot -> runtime id, slots this process holds
         self._last_busy: dict[int, int] = {}  # slot -> index of its latest busy record (a hint)
         ensure_state_dir(path.parent)
@@ -197,18 +197,10 @@ class Ledger:
             return ledger
 
     # -- locking and slots ------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with self._lock:
-            self._depth += 1
-            if self._depth == 1:
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+    def _locked(self) -> _DeviceLock:
+        """The device lock: this process's threads (a re-entrant lock), then other processes (flock,
+        taken by the outermost holder only)."""
+        return self._device_lock
 
     def _read(self, slot: int) -> tuple[int, int, int, int, int, int]:
         return _SLOT.unpack_from(self._map, _HEADER.size + slot * _SLOT.size)
@@ -416,7 +408,8 @@ class Ledger:
 
     def add_busy(self, slot: int, mps: bool, start: float, end: float, now: float) -> None:
         """Record that `slot`'s context holds compute units over [start, end). Extends its latest
-        record when the two touch (back-to-back kernels stay one record); reuses expired records."""
+        record when the two touch (back-to-back kernels stay one record); reuses expired records,
+        its own latest first (no scan: a host slower than its device writes one record per kernel)."""
         base = self._busy_base()
         with self._locked():
             hint = self._last_busy.get(slot)
@@ -424,6 +417,9 @@ class Ledger:
                 s0, e0, owner, _ = _BUSY.unpack_from(self._map, base + hint * _BUSY.size)
                 if owner == slot + 1 and s0 <= start <= e0 + 1e-9:
                     _BUSY.pack_into(self._map, base + hint * _BUSY.size, s0, max(e0, end), owner, int(mps))
+                    return
+                if owner == slot + 1 and e0 <= now:  # our own latest record has expired: reuse it
+                    _BUSY.pack_into(self._map, base + hint * _BUSY.size, start, end, owner, int(mps))
                     return
             rows = self._busy_rows()
             index = next((i for i, row in enumerate(rows) if row[1] <= now), len(rows))
@@ -434,7 +430,7 @@ class Ledger:
             _BUSY.pack_into(self._map, base + index * _BUSY.size, start, end, slot + 1, int(mps))
             self._last_busy[slot] = index
 
-    def transaction(self) -> contextlib.AbstractContextManager[None]:
+    def transaction(self) -> _DeviceLock:
         """Hold the device lock across several calls (`blocking_intervals` then `add_busy`: one
         atomic placement). Re-entrant."""
         return self._locked()
@@ -445,6 +441,37 @@ class Ledger:
                 if self._read(slot)[2] == rid:
                     self._clear(slot)
             self._owned.clear()
+
+
+class _DeviceLock:
+    """`Ledger._locked` as a plain context manager: entered two or three times per timed kernel, where
+    a generator-based one costs more than the work it guards."""
+
+    __slots__ = ("_ledger",)
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+
+    def __enter__(self) -> None:
+        ledger = self._ledger
+        ledger._lock.acquire()
+        ledger._depth += 1
+        if ledger._depth == 1:
+            try:
+                fcntl.flock(ledger._fd, fcntl.LOCK_EX)
+            except BaseException:
+                ledger._depth -= 1
+                ledger._lock.release()
+                raise
+
+    def __exit__(self, *exc: object) -> None:
+        ledger = self._ledger
+        try:
+            ledger._depth -= 1
+            if ledger._depth == 0:
+                fcntl.flock(ledger._fd, fcntl.LOCK_UN)
+        finally:
+            ledger._lock.release()
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,30 @@ class MappingTable:
         self._held_bytes -= freed
         return addresses
 
+    # -- the executor's scheduled path (an `AccessSchedule` decided the moments once per plan) ----
+    def place(self, entries: Sequence[MappingEntry], addresses: Sequence[int]) -> None:
+        """Rows allocated at their first access, their addresses given (the schedule's `first`).
+        Access counts are implied by the schedule and not kept per row on this path."""
+        held = self._held_bytes
+        for entry, address in zip(entries, addresses, strict=True):
+            entry.address = address
+            held += entry.nbytes
+        self.allocations += len(entries)
+        self._held_bytes = held
+        if held > self._peak_held_bytes:
+            self._peak_held_bytes = held
+
+    def retire(self, entries: Sequence[MappingEntry], spent: list[int]) -> None:
+        """Rows whose last expected access was just issued (the schedule's `last`): recycled, their
+        addresses appended to `spent` for the caller to free stream-ordered (as `touch_recycling`)."""
+        held = self._held_bytes
+        for entry in entries:
+            spent.append(entry.address)  # type: ignore[arg-type]  # placed by this run
+            entry.address = None
+            entry.recycled = True
+            held -= entry.nbytes
+        self._held_bytes = held
+
     def reclaim(self) -> list[HeldBuffer]:
         """Hand over every buffer that reached its expected count since the last call.
 

@@ -136,8 +136,12 @@ class PoolMetrics:
         self._series.append(Sample(now - self._start, r, a, d))
         self._last_sample = now
 
-    def record_alloc(self, seconds: float) -> None:
-        self._alloc_s.append(seconds)
+    def record_alloc(self, seconds: float, count: int = 1) -> None:
+        """`count` allocations that took `seconds` each (a batch, amortised)."""
+        if count == 1:
+            self._alloc_s.append(seconds)
+        else:
+            self._alloc_s.extend(itertools.repeat(seconds, count))
 
     def record_free(self, seconds: float, count: int = 1) -> None:
         """`count` frees that took `seconds` each (a batch free, amortised)."""

@@ -20,6 +20,10 @@ Frees are stream-ordered, as with cuMemFreeAsync. `free_many(addresses, stream)`
   stream: once the event has completed, the blocks go back to the sub-allocator and coalesce
   (`collect`; also on the stream's next `free_many` and when an allocation does not fit).
 
+`free_and_allocate(addresses, sizes, stream)` is `free_many` then an allocation of each size, under
+one acquisition of the lock with one metrics update: the executor's one call per kernel (the blocks
+the previous kernel spent, then the ones this kernel touches first, which may reuse them at once).
+
 Run-ahead bound: once more than `run_ahead_bytes` (4 MiB) of a stream's fenced frees wait for the
 device, `free_many` waits for the oldest fence before it returns (flow control: the issuing thread
 stays near its device, so freed blocks come back soon after; `counters.run_ahead_waits`).
@@ -48,7 +52,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from streambox.device.base import (
@@ -339,65 +343,163 @@ class DeviceMemoryPool:
     def free_many(self, addresses: Iterable[int], stream: Stream | None) -> None:
         """Free blocks after the work issued to `stream` so far (None: free for every stream now)."""
         started = time.perf_counter()
-        count = 0
-        frees: _StreamFrees | None = None
         with self._lock:
-            live = self._live
-            if stream is None:
-                for address in addresses:
-                    self._demand -= self._pop_live(address)
-                    self._sub.free(address)
-                    count += 1
+            frees, count = self._free_locked(addresses, stream)
+            self._after_frees(frees, count, started)
+
+    def free_and_allocate(
+        self,
+        addresses: Sequence[int],
+        sizes: Sequence[int],
+        stream: Stream,
+        allocate: Callable[[int, Stream], int] | None = None,
+    ) -> list[int]:
+        """`free_many(addresses, stream)`, then an `allocate` on `stream` of each of `sizes`, in one
+        call: the executor's per-kernel call (the blocks the previous kernel spent, the ones the next
+        kernel touches first). The frees come first, so the allocations may reuse them at once.
+        A size the fast path cannot place goes through `allocate` (default: this pool's), e.g. an
+        owner's that reclaims."""
+        got = self.free_and_try_allocate(addresses, sizes, stream)
+        allocate = allocate or self.allocate
+        try:
+            for nbytes in sizes[len(got) :]:
+                got.append(allocate(nbytes, stream))
+        except BaseException:  # nothing used them yet: hand them back, stream-ordered
+            self.free_many(got, stream)
+            raise
+        return got
+
+    def free_and_try_allocate(
+        self, addresses: Sequence[int], sizes: Sequence[int], stream: Stream
+    ) -> list[int]:
+        """`free_and_allocate` on the fast path only, under one acquisition of the lock: stops at the
+        first size no pending or free block fits and returns the addresses so far (the caller
+        allocates the rest, e.g. with `try_allocate`, which grows, waits or asks for a reclaim)."""
+        started = time.perf_counter()
+        got: list[int] = []
+        with self._lock:
+            if self._closed:
+                raise DeviceError("memory pool is closed")
+            freed = 0
+            if addresses:
+                frees, freed = self._free_locked(addresses, stream)
+                self.counters.frees += freed
             else:
                 frees = self._streams.get(stream)
-                if frees is None:
-                    frees = self._streams[stream] = _StreamFrees(stream)
-                pending, by_size, unfenced = frees.pending, frees.by_size, frees.unfenced
-                token, freed_bytes, freed_demand = self._token, 0, 0
-                try:
-                    for address in addresses:
-                        nbytes = live.pop(address, None)
-                        if nbytes is None:
-                            self._pop_live(address)  # raises the right error
-                        freed_demand += nbytes
-                        size = ALIGNMENT if nbytes <= ALIGNMENT else (nbytes + ALIGNMENT - 1) & _MASK
-                        token += 1
-                        pending[address] = token
-                        bucket = by_size.get(size)
-                        if bucket is None:
-                            by_size[size] = {address: None}
-                        else:
-                            bucket[address] = None
-                        unfenced.append((address, token, size))
-                        freed_bytes += size
-                        count += 1
-                finally:  # the frees before a bad address happened: account for them
-                    self._token = token
-                    self._demand -= freed_demand
-                    frees.unfenced_bytes += freed_bytes
-                    frees.pending_bytes += freed_bytes
-                config = self.config
-                if frees.unfenced_bytes >= config.fence_bytes or len(unfenced) >= config.fence_frees:
-                    self._fence_locked(frees, None)
-                if frees.fenced and frees.fenced[0][0].query():
-                    # Only this stream's completed fences here (one query): the others are collected
-                    # by their own frees, by an allocation that does not fit, and by the sweep.
-                    self._collect_stream(frees)
-            self.counters.frees += count
+            if sizes:
+                self._allocate_fast_locked(sizes, frees, got)
             metrics = self.metrics
-            if metrics is not None and count:
+            if metrics is not None and (freed or got):
                 now = time.perf_counter()
                 sub = self._sub
                 metrics.update(now, sub._reserved, sub._allocated, self._demand)
-                metrics.record_free((now - started) / count, count)
-            limit = self.config.run_ahead_bytes
-            if (
-                frees is not None
-                and limit is not None
-                and frees.fenced
-                and frees.pending_bytes - frees.unfenced_bytes > limit
-            ):
-                self._bound_run_ahead(frees, limit)  # flow control, not in the free latency
+                each = (now - started) / (freed + len(got))  # one call's time, amortised
+                if freed:
+                    metrics.record_free(each, freed)
+                if got:
+                    metrics.record_alloc(each, len(got))
+            if freed:
+                self._bound_if_ahead(frees)
+        return got
+
+    def _allocate_fast_locked(self, sizes: Sequence[int], frees: _StreamFrees | None, got: list[int]) -> None:
+        """`try_allocate`'s fast path for each of `sizes` in turn (a pending block of the stream, else
+        the sub-allocator), appending to `got`; stops at the first that needs the slow path."""
+        live, sub, demand, reuses = self._live, self._sub, self._demand, 0
+        by_size = frees.by_size if frees is not None else None
+        try:
+            for nbytes in sizes:
+                size = _aligned(nbytes)
+                bucket = by_size.get(size) if by_size else None
+                if bucket:  # inline `_StreamFrees.take`: the common case of a lazily allocated plan
+                    address = bucket.popitem()[0]
+                    if not bucket:
+                        del by_size[size]  # type: ignore[union-attr]
+                    del frees.pending[address]  # type: ignore[union-attr]
+                    frees.pending_bytes -= size  # type: ignore[union-attr]
+                    reuses += 1
+                else:
+                    address = sub.allocate(size)
+                    if address is None:
+                        return
+                live[address] = nbytes
+                demand += nbytes
+                got.append(address)
+        finally:
+            self._demand = demand
+            self.counters.allocations += len(got)
+            self.counters.same_stream_reuses += reuses
+
+    def _free_locked(
+        self, addresses: Iterable[int], stream: Stream | None
+    ) -> tuple[_StreamFrees | None, int]:
+        """The frees of `free_many`, lock held; returns the stream's frees (None for `stream=None`)
+        and how many blocks were freed."""
+        count = 0
+        frees: _StreamFrees | None = None
+        live = self._live
+        if stream is None:
+            for address in addresses:
+                self._demand -= self._pop_live(address)
+                self._sub.free(address)
+                count += 1
+            return None, count
+        frees = self._streams.get(stream)
+        if frees is None:
+            frees = self._streams[stream] = _StreamFrees(stream)
+        pending, by_size, unfenced = frees.pending, frees.by_size, frees.unfenced
+        token, freed_bytes, freed_demand = self._token, 0, 0
+        try:
+            for address in addresses:
+                nbytes = live.pop(address, None)
+                if nbytes is None:
+                    self._pop_live(address)  # raises the right error
+                freed_demand += nbytes
+                size = ALIGNMENT if nbytes <= ALIGNMENT else (nbytes + ALIGNMENT - 1) & _MASK
+                token += 1
+                pending[address] = token
+                bucket = by_size.get(size)
+                if bucket is None:
+                    by_size[size] = {address: None}
+                else:
+                    bucket[address] = None
+                unfenced.append((address, token, size))
+                freed_bytes += size
+                count += 1
+        finally:  # the frees before a bad address happened: account for them
+            self._token = token
+            self._demand -= freed_demand
+            frees.unfenced_bytes += freed_bytes
+            frees.pending_bytes += freed_bytes
+        config = self.config
+        if frees.unfenced_bytes >= config.fence_bytes or len(unfenced) >= config.fence_frees:
+            self._fence_locked(frees, None)
+        if frees.fenced and frees.fenced[0][0].query():
+            # Only this stream's completed fences here (one query): the others are collected
+            # by their own frees, by an allocation that does not fit, and by the sweep.
+            self._collect_stream(frees)
+        return frees, count
+
+    def _after_frees(self, frees: _StreamFrees | None, count: int, started: float) -> None:
+        """Counters and metrics of `count` frees begun at `started`, then the run-ahead bound (lock held)."""
+        self.counters.frees += count
+        metrics = self.metrics
+        if metrics is not None and count:
+            now = time.perf_counter()
+            sub = self._sub
+            metrics.update(now, sub._reserved, sub._allocated, self._demand)
+            metrics.record_free((now - started) / count, count)
+        self._bound_if_ahead(frees)
+
+    def _bound_if_ahead(self, frees: _StreamFrees | None) -> None:
+        limit = self.config.run_ahead_bytes
+        if (
+            frees is not None
+            and limit is not None
+            and frees.fenced
+            and frees.pending_bytes - frees.unfenced_bytes > limit
+        ):
+            self._bound_run_ahead(frees, limit)  # flow control, not in the free latency
 
     def _bound_run_ahead(self, frees: _StreamFrees, limit: int) -> None:
         """Wait (lock released) until at most `limit` bytes of the stream's fenced frees are still

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import V100_16GB, GiB
 from streambox.kernel_compiler.memory_profile import profile_plan
 from streambox.kernel_compiler.zoo import ZOO, example_input, get_entry
+from streambox.memory_pool.mapping_table import RecycledAccess
 from streambox.memory_pool.pool import DeviceMemoryPool
 from streambox.memory_pool.scaler import PositionBoard
 
@@ -372,3 +375,20 @@ def test_the_executor_on_the_cuda_backend_matches_eager_torch_and_reuses_its_cal
         free_model(model, mem, stream)
         mem.drain()
         mem.close()
+
+
+def test_a_plan_whose_expected_count_is_too_low_raises_at_the_access_and_leaks_nothing(pool, runtime):
+    """Its access schedule declines (`AccessSchedule.of` is None), so it runs through the table's
+    counting path, which raises RecycledAccess where the count is passed."""
+    plan, mem, stream, _, x, handle = _setup(pool, runtime)
+    name = next(
+        v.name for v in plan.variables.values() if v.kind == "intermediate" and v.expected_accesses > 1
+    )
+    variables = {**plan.variables, name: dataclasses.replace(plan.variables[name], expected_accesses=1)}
+    model = upload_model(runtime, dataclasses.replace(plan, variables=variables), mem, stream)  # a copy
+    base = mem.demand_bytes
+    executor = PlanExecutor(runtime, mem)
+    with pytest.raises(RecycledAccess, match=name):
+        executor.run(model, {"x": handle}, stream, instance="f1")
+    assert model.program.schedule(True, True) is None
+    assert mem.demand_bytes == base and executor.held_bytes("f1") == 0

@@ -3,6 +3,7 @@ grants the turns. The issues are plain functions that call the per-kernel hook a
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -33,29 +34,58 @@ def _until(predicate: Callable[[], bool]) -> None:
         time.sleep(0.001)
 
 
-def test_issues_run_a_slice_per_turn_and_take_turns_oldest_first() -> None:
+def test_an_issue_runs_a_slice_per_dispatcher_turn() -> None:
     issuer = Issuer(lambda: None, threads=2, slice_kernels=4)
     log: list[tuple[str, int]] = []
     frees: list[Any] = []
     try:
         a = issuer.submit(_issue("a", 12, log), lambda addresses, stream: frees.append(addresses), None)
         _until(lambda: len(issuer.waiting) == 1)
-        b = issuer.submit(_issue("b", 12, log), lambda addresses, stream: frees.append(addresses), None)
-        _until(lambda: len(issuer.waiting) == 2)
-        # Each ran up to its first boundary (kernels 0..2; kernel 3 waits for a turn), and no further.
-        assert sorted(log) == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2)]
-        turns = []
-        while not (a.future.done() and b.future.done()):
+        assert log == [("a", 0), ("a", 1), ("a", 2)]  # up to its first boundary, and no further
+        while not a.future.done():
             before = len(log)
             if issuer.waiting:
-                turns.append(len(issuer.waiting))
                 issuer.grant()
-                _until(lambda: len(issuer.waiting) >= 1 or (a.future.done() and b.future.done()))
+                _until(lambda: len(issuer.waiting) >= 1 or a.future.done())
                 _until(lambda before=before: len(log) > before)
                 assert len(log) - before <= 4  # one slice per turn
+        assert a.future.result(WAIT_S)[0] and [i for _, i in log] == list(range(12)) and frees == []
+    finally:
+        issuer.close()
+
+
+def test_two_issues_take_the_floor_slice_by_slice_and_a_small_one_waits_one_slice() -> None:
+    issuer = Issuer(lambda: None, threads=3, slice_kernels=4, contended=lambda: False)
+    log: list[tuple[str, int]] = []
+    go = threading.Event()
+
+    def gated(issue):
+        def run(on_kernel):
+            go.wait(WAIT_S)
+            return issue(on_kernel)
+
+        return run
+
+    try:
+        a = issuer.submit(gated(_issue("a", 12, log)), lambda *args: None, None)
+        _until(lambda: not go.is_set() and issuer.floor.held)  # a holds the floor, not issuing yet
+        b = issuer.submit(_issue("b", 12, log), lambda *args: None, None)
+        _until(issuer.floor.contended)  # b waits for the floor
+        go.set()
         assert a.future.result(WAIT_S)[0] and b.future.result(WAIT_S)[0]
+        runs = [(name, len(list(group))) for name, group in itertools.groupby(n for n, _ in log)]
+        assert runs == [("a", 3), ("b", 3), ("a", 4), ("b", 4), ("a", 4), ("b", 4), ("a", 1), ("b", 1)]
         assert [i for n, i in log if n == "a"] == list(range(12))  # each issue in its own order
-        assert frees == []
+        # A one-kernel issue submitted while a long one runs gets the floor at the next boundary.
+        log.clear()
+        go.clear()
+        long = issuer.submit(gated(_issue("long", 40, log)), lambda *args: None, None)
+        _until(lambda: issuer.floor.held)
+        small = issuer.submit(_issue("small", 1, log), lambda *args: None, None)
+        _until(issuer.floor.contended)
+        go.set()
+        assert small.future.result(WAIT_S)[0] and long.future.result(WAIT_S)[0]
+        assert log.index(("small", 0)) == 3  # after the long one's first slice (its boundary: kernel 3)
     finally:
         issuer.close()
 

@@ -299,3 +299,16 @@ def test_weight_cache_never_expires_a_model_with_users(ops) -> None:  # type: ig
             assert users[m] == 0
             assert now - (w.idle_since(m) or 0.0) > 1.0
         assert all(w.users(m) == n for m, n in users.items())
+
+
+def test_place_and_retire_keep_the_table_true_for_a_scheduled_run() -> None:
+    t = MappingTable()
+    t.register_many("f1", "m", [("x", 100, 1), ("y", 200, None)])
+    x, y = t.rows("f1", "m", ["x", "y"])
+    t.place([x, y], [0x1000, 0x2000])
+    assert (x.address, y.address, t.held_bytes, t.allocations) == (0x1000, 0x2000, 300, 2)
+    assert t.peak_held_bytes == 300
+    spent: list[int] = []
+    t.retire([x], spent)
+    assert spent == [0x1000] and (x.address, x.recycled, t.held_bytes) == (None, True, 200)
+    assert [h.var for h in t.release_instance("f1")] == ["y"]  # what is still held comes back, once

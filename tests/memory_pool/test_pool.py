@@ -383,3 +383,27 @@ def test_the_run_ahead_wait_is_bounded_and_can_be_switched_off(runtime) -> None:
     s.synchronize()
     with pytest.raises(ValueError):
         PoolConfig(run_ahead_bytes=-1)
+
+
+def test_free_and_allocate_frees_first_and_reuses_at_once_in_one_call(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1))
+    s = runtime.create_stream()
+    opened = gate(runtime, s)
+    x = pool.allocate(4096, s)
+    y, z = pool.free_and_allocate([x], [4096, 3 * MiB], s)  # the second needs a chunk of its own
+    assert y == x and pool.counters.same_stream_reuses == 1
+    assert pool.demand_bytes == 4096 + 3 * MiB and pool.counters.grows == 2
+    assert pool.free_and_try_allocate([], [8 * MiB], s) == []  # the fast path stops where nothing fits
+    opened.set()
+    pool.free_many([y, z], s)
+    pool.drain()
+    assert pool.demand_bytes == 0
+
+
+def test_free_and_allocate_hands_back_what_it_got_when_a_later_size_fails(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(oom_wait_s=0.0))
+    s = runtime.create_stream()
+    total = runtime.memory_info()[1]
+    with pytest.raises(PoolOutOfMemory):
+        pool.free_and_allocate([], [4096, 2 * total], s)
+    assert pool.demand_bytes == 0 and pool.stats().live_allocations == 0
