@@ -35,7 +35,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 from streambox.device import Event, Runtime, Stream
@@ -58,6 +58,7 @@ from .device_model import (
 )
 from .device_tensor import DeviceTensor
 from .plan_program import ELEMENTS_PER_BLOCK, KernelCalls, PlanProgram, RunInputs, plan_key
+from .run_result import RunResult, RunStats
 
 __all__ = [
     "ELEMENTS_PER_BLOCK",
@@ -77,39 +78,6 @@ __all__ = [
 
 #: Where recycling runs: at the kernel boundary on the issuing thread, or on a background thread.
 RECYCLERS = ("kernel", "thread")
-
-
-@dataclass
-class RunStats:
-    kernels: int = 0
-    peak_live_bytes: int = 0  # intermediates and outputs held at once by this run
-    allocations: int = 0
-    issue_seconds: float = 0.0  # host time spent issuing the plan
-    # Per-kernel device time, filled when the run was asked to profile (events around each kernel).
-    kernel_seconds: list[float] | None = None
-
-
-@dataclass
-class RunResult:
-    outputs: dict[str, DeviceTensor]
-    stats: RunStats
-    done: Event  # completes when the last kernel has run: poll it instead of syncing the stream
-    instance: Hashable = None
-    _events: list[Event] = field(default_factory=list, repr=False)
-    _timed: list[int] = field(default_factory=list, repr=False)  # plan index of each timed kernel
-    _plan_kernels: int = 0
-
-    def kernel_seconds(self) -> list[float]:
-        """Device time of each compute kernel (profiling runs only); waits for the run to finish."""
-        self.done.synchronize()
-        return [a.elapsed_ms(b) / 1e3 for a, b in zip(self._events, self._events[1:], strict=False)]
-
-    def plan_kernel_seconds(self) -> list[float]:
-        """Device time of every kernel of the plan, 0.0 for view kernels (profiling runs only)."""
-        seconds = [0.0] * self._plan_kernels
-        for index, s in zip(self._timed, self.kernel_seconds(), strict=True):
-            seconds[index] = s
-        return seconds
 
 
 @dataclass(frozen=True)
@@ -439,10 +407,7 @@ class PlanExecutor:
         on_kernel: Callable[[int, Kernel], None] | None,
         result: RunResult,
     ) -> None:
-        """The hot loop when the plan's access schedule decided the moments (`AccessSchedule`): per
-        kernel, one allocator call frees what the previous kernel spent and allocates what this one
-        touches first, the kernel's call is launched for its rows' addresses, and the rows at their
-        last expected access are recycled. No per-access counting, one pool call per kernel."""
+        """The hot loop on the plan's `AccessSchedule`: one allocator call per kernel (module doc)."""
         program, table, lock, rows = model.program, state.table, state.lock, state.rows
         first, last = state.first, state.last
         steps = self._schedule(program).steps  # type: ignore[union-attr]  # checked by `run`
