@@ -11,7 +11,7 @@ every byte of a proxy comes from) or `StreamPoolAllocator` (the device's own str
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -148,3 +148,13 @@ def _contiguous_strides(shape: Iterable[int]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(d, 1)
     return tuple(reversed(strides))
+
+
+def release_generation(allocator: Allocator) -> Callable[[], int] | None:
+    """How often the allocator has given memory back to the device (`DeviceMemoryPool` counts its
+    trims), or None for an allocator that does not say: then bound calls and tensors are kept for
+    one run only, since an address may be backed anew between runs."""
+    counters = getattr(allocator, "counters", None)
+    if counters is None or not isinstance(getattr(counters, "trims", None), int):
+        return None
+    return lambda: counters.trims

@@ -42,7 +42,7 @@ from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.cost_model import launch_durations
 from streambox.kernel_compiler.plan import Kernel
 from streambox.memory_pool.access_schedule import AccessSchedule
-from streambox.memory_pool.mapping_table import HeldBuffer, MappingEntry, MappingTable
+from streambox.memory_pool.mapping_table import HeldBuffer, MappingEntry, MappingTable, RecycledAccess
 from streambox.memory_pool.modes import PoolMode
 from streambox.memory_pool.scaler import PositionBoard
 
@@ -54,6 +54,7 @@ from .device_model import (
     copy_weights,
     free_all,
     free_model,
+    release_generation,
     upload_model,
 )
 from .device_tensor import DeviceTensor
@@ -111,14 +112,10 @@ class _Instance:
         self.reset = False
 
 
-def _release_generation(allocator: Allocator) -> Callable[[], int] | None:
-    """How often the allocator has given memory back to the device (`DeviceMemoryPool` counts its
-    trims), or None for an allocator that does not say: then bound calls and tensors are kept for
-    one run only, since an address may be backed anew between runs."""
-    counters = getattr(allocator, "counters", None)
-    if counters is None or not isinstance(getattr(counters, "trims", None), int):
-        return None
-    return lambda: counters.trims
+def _check_registered(state: _Instance, program: PlanProgram, instance: Hashable) -> None:
+    """A run still issuing stops once its instance was released (`release_instance`): its rows are gone."""
+    if state.program is not program:
+        raise RecycledAccess(f"instance {instance!r} was released while its run was being issued")
 
 
 class PlanExecutor:
@@ -153,7 +150,7 @@ class PlanExecutor:
         self._free_and_allocate: Callable[[list[int], tuple[int, ...], Stream], list[int]] = (
             getattr(allocator, "free_and_allocate", None) or self._free_then_allocate
         )
-        self._generation = _release_generation(allocator)
+        self._generation = release_generation(allocator)
         self._instances: dict[Hashable, _Instance] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -239,9 +236,8 @@ class PlanExecutor:
             self.positions.remove(instance)
         if state is None:
             return 0
-        with state.lock:
-            held = state.table.release_instance(instance)
-            stream = state.stream
+        with state.lock:  # a run still issuing sees `program` gone and stops (`_issue_scheduled`)
+            held, stream, state.program = state.table.release_instance(instance), state.stream, None
         self._free(held, stream)
         return sum(h.nbytes for h in held)
 
@@ -426,13 +422,13 @@ class PlanExecutor:
         spent: list[int] = []  # recycled by the last kernel, freed with the next kernel's allocations
         try:
             for k in program.kernels:
-                i = k.index
+                i, step = k.index, steps[k.index]
                 if board is not None:
                     board.update(instance, name, batch, i, time.perf_counter(), table.held_bytes)
                 if on_kernel is not None:
                     on_kernel(i, k.kernel)
-                step = steps[i]
                 with lock:  # against `release_instance` from another thread
+                    _check_registered(state, program, instance)
                     if step.first or spent:
                         freeing, spent = spent, []
                         table.place(first[i], free_and_allocate(freeing, step.sizes, stream))

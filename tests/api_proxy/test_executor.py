@@ -288,6 +288,24 @@ def test_release_instance_frees_what_an_abandoned_instance_holds(pool, runtime):
     assert executor.release_instance("never-seen") == 0
 
 
+@pytest.mark.parametrize("mode", ["fm", "fm+rs"])
+def test_an_instance_released_while_its_run_issues_stops_the_run_and_leaks_nothing(mode, pool, runtime):
+    # The proxy drops an instance whose issue did not stop in time (`release_instance` from another
+    # thread): the run must stop at its next kernel instead of placing buffers in rows that are gone.
+    plan, mem, stream, model, x, handle = _setup(pool, runtime)
+    executor = PlanExecutor.for_mode(runtime, mem, mode)
+    base = mem.demand_bytes
+
+    def released(index, kernel):
+        if index == 12:
+            assert executor.release_instance("f1") > 0
+
+    with pytest.raises(RecycledAccess, match="released"):
+        executor.run(model, {"x": handle}, stream, instance="f1", on_kernel=released)
+    stream.synchronize()
+    assert mem.demand_bytes == base and executor.instances() == []
+
+
 def test_background_recycler_frees_the_same_buffers(pool, zoo_model, runtime):
     from streambox.memory_pool.periodic import PeriodicThread
 
