@@ -31,6 +31,7 @@ executor hands back what the run held, and outputs of a run that finished unseen
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +44,10 @@ from .executor import RunResult
 DEFAULT_SLICE_KERNELS = 8
 DEFAULT_ISSUERS = 2
 TURN_CHECK_S = 0.05  # how often an issue waiting for a turn checks whether the proxy is closing
+# How long an issue waits for the floor before it goes on without it (interleaving, as without a
+# floor): a holder stuck in the pool's slow path (up to `PoolConfig.oom_wait_s`, 0.5 s) may be waiting
+# for memory that only the waiting issues' progress frees. A slice takes well under a millisecond.
+FLOOR_PATIENCE_S = 0.2
 
 Free = Callable[[list[int], Stream], None]
 Issue = Callable[[Callable[[int, Any], None]], RunResult]  # the issue, given the per-kernel hook
@@ -55,9 +60,11 @@ class IssueCancelled(Exception):
 class IssueFloor:
     """One issue at a time; the floor passes to the oldest waiting issue when its holder ends or is at
     a slice boundary. A waiter that is told to stop (`stop()`: the proxy closes, its instance is gone)
-    leaves the queue and goes on without the floor."""
+    or that waited `patience_s` leaves the queue and goes on without the floor: the floor orders
+    issues, it never makes one wait for another that cannot move."""
 
-    def __init__(self) -> None:
+    def __init__(self, patience_s: float = FLOOR_PATIENCE_S) -> None:
+        self.patience_s = patience_s
         self._lock = threading.Lock()
         self._held = False
         self._queue: deque[threading.Event] = deque()
@@ -99,8 +106,9 @@ class IssueFloor:
                 self._held = False
 
     def _wait(self, handed: threading.Event, stop: Callable[[], bool]) -> bool:
-        while not handed.wait(TURN_CHECK_S):
-            if stop():
+        deadline = time.monotonic() + self.patience_s
+        while not handed.wait(min(TURN_CHECK_S, self.patience_s)):
+            if stop() or time.monotonic() >= deadline:
                 with self._lock:
                     if handed.is_set():
                         return True  # handed over meanwhile: the caller holds it (and releases it)
@@ -186,9 +194,11 @@ class Issuer:
         threads: int = DEFAULT_ISSUERS,
         slice_kernels: int = DEFAULT_SLICE_KERNELS,
         contended: Callable[[], bool] | None = None,
+        floor_patience_s: float = FLOOR_PATIENCE_S,
     ) -> None:
         """`contended()`: whether the dispatcher has work waiting (read from an issuer thread, so it
-        must only look); None: always, i.e. a turn at every slice boundary."""
+        must only look); None: always, i.e. a turn at every slice boundary. `floor_patience_s`: how
+        long an issue waits for the floor (`IssueFloor`)."""
         if threads < 1 or slice_kernels < 1:
             raise ValueError(f"issuer: threads ({threads}) and slice_kernels ({slice_kernels}) must be >= 1")
         self._wake = wake
@@ -197,7 +207,7 @@ class Issuer:
         self.waiting: list[threading.Event] = []  # issues at a slice boundary, waiting for a turn
         self.requested = threading.Event()  # set while one waits: ends the dispatcher's idle pause
         self.closed = threading.Event()
-        self.floor = IssueFloor()
+        self.floor = IssueFloor(floor_patience_s)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="streambox-issuer")
 
     def submit(self, issue: Issue, free: Free, stream: Stream) -> IssueTicket:

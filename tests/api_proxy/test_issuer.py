@@ -55,7 +55,9 @@ def test_an_issue_runs_a_slice_per_dispatcher_turn() -> None:
 
 
 def test_two_issues_take_the_floor_slice_by_slice_and_a_small_one_waits_one_slice() -> None:
-    issuer = Issuer(lambda: None, threads=3, slice_kernels=4, contended=lambda: False)
+    issuer = Issuer(
+        lambda: None, threads=3, slice_kernels=4, contended=lambda: False, floor_patience_s=WAIT_S
+    )
     log: list[tuple[str, int]] = []
     go = threading.Event()
 
@@ -87,6 +89,30 @@ def test_two_issues_take_the_floor_slice_by_slice_and_a_small_one_waits_one_slic
         assert small.future.result(WAIT_S)[0] and long.future.result(WAIT_S)[0]
         assert log.index(("small", 0)) == 3  # after the long one's first slice (its boundary: kernel 3)
     finally:
+        issuer.close()
+
+
+def test_an_issue_goes_on_without_the_floor_when_its_holder_does_not_move() -> None:
+    # A holder stuck (e.g. in the pool's slow path, waiting for memory only the others' progress frees)
+    # must not stop the waiting issues: after the floor's patience they issue without it.
+    issuer = Issuer(lambda: None, threads=2, slice_kernels=4, contended=lambda: False, floor_patience_s=0.05)
+    log: list[tuple[str, int]] = []
+    stuck = threading.Event()
+
+    def held_forever(on_kernel):
+        stuck.wait(WAIT_S)
+        return _issue("a", 4, log)(on_kernel)
+
+    try:
+        a = issuer.submit(held_forever, lambda *args: None, None)
+        _until(lambda: issuer.floor.held)
+        b = issuer.submit(_issue("b", 6, log), lambda *args: None, None)
+        assert b.future.result(WAIT_S)[0] and log == [("b", i) for i in range(6)]  # while a still holds it
+        assert not a.future.done() and not issuer.floor.contended()  # b left the queue
+        stuck.set()
+        assert a.future.result(WAIT_S)[0] and not issuer.floor.held  # released by its holder
+    finally:
+        stuck.set()
         issuer.close()
 
 
