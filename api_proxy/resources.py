@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from streambox.comm.errors import GetTimeout
+from streambox.comm.lease import span_bytes
 from streambox.comm.store_protocol import Store
 from streambox.device import Event, Runtime, Stream
 from streambox.io_daemon import CopyRequest, IODaemon
@@ -244,9 +245,7 @@ class Resources:
                 f"handle {h.address:#x} names a buffer this invocation neither made nor was handed "
                 f"(request {inv.request_id!r}); pass data between invocations by key (put/get)"
             )
-        itemsize = DTYPES[h.dtype]
-        extent = sum((d - 1) * s for d, s in zip(h.shape, h.strides, strict=True))
-        span = 0 if h.numel == 0 else itemsize * (1 + extent)
+        span = span_bytes(h.shape, h.strides, DTYPES[h.dtype])
         if span > buf.nbytes or h.nbytes > buf.nbytes or min(h.strides, default=0) < 0:
             raise UnknownHandle(
                 f"handle {h.address:#x} claims {max(span, h.nbytes)} bytes; the buffer has {buf.nbytes}"

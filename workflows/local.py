@@ -35,6 +35,7 @@ from streambox.api_proxy.errors import IsolationError
 from streambox.api_proxy.executor import DeviceModel, PlanExecutor, StreamPoolAllocator, upload_model
 from streambox.api_proxy.handles import Handle
 from streambox.comm.errors import GetTimeout  # one GET-timeout error in every runtime
+from streambox.comm.lease import span_bytes
 from streambox.comm.store_protocol import check_put_args
 from streambox.comm.tables import dtype_name, parse_dtype
 from streambox.config import Config
@@ -319,12 +320,15 @@ class LocalContext:
                 f"{what}: the handle belongs to workflow {h.workflow!r}, not {self.workflow!r}"
             )
         known = self._seen.get(h.address)
-        if known is None or h.nbytes > known.nbytes:
+        dtype = parse_dtype(h.dtype)
+        # The layout must stay inside the tensor it names, as the proxy checks (`Resources.tensor`).
+        span = span_bytes(h.shape, h.strides, dtype.itemsize) if min(h.strides, default=0) >= 0 else None
+        if known is None or span is None or max(span, h.nbytes) > known.nbytes:
             raise StoreError(
-                f"{what}: handle {h.address:#x} ({h.nbytes} bytes) names no tensor this invocation made, "
-                "got or still holds"
+                f"{what}: handle {h.address:#x} ({h.nbytes} bytes, shape {list(h.shape)}, strides "
+                f"{list(h.strides)}) names no tensor this invocation made, got or still holds"
             )
-        return DeviceTensor(h.address, parse_dtype(h.dtype), h.shape, h.strides, h.nbytes)
+        return DeviceTensor(h.address, dtype, h.shape, h.strides, h.nbytes)
 
     def upload(self, tensor: torch.Tensor) -> Handle:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":

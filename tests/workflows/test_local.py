@@ -174,5 +174,7 @@ def test_run_local_hands_out_the_one_handle_and_checks_it(make_invoker, run):
     assert out["type"] == "Handle" and out["dtype"] == "float32" and out["sum"] == 6.0
     refused = out["refused"]
     assert refused["forged"].startswith("StoreError: download: handle")
+    assert refused["strides_past_the_end"].startswith("StoreError: download: handle")
+    assert refused["negative_strides"].startswith("StoreError: download: handle")
     assert refused["foreign"].startswith("IsolationError: download: the handle belongs to workflow 'other'")
     assert refused["not_a_handle"].startswith("TypeError: download takes a device-tensor handle")

@@ -98,6 +98,9 @@ def handle_kinds(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
     refused = {}
     for name, bad in (
         ("forged", Handle(ctx.workflow, h.address + 4096, "float32", (4,), (1,), 16)),
+        # the tensor's own address, with a layout reaching past its 16 bytes
+        ("strides_past_the_end", Handle(ctx.workflow, h.address, "float32", (4,), (64,), 16)),
+        ("negative_strides", Handle(ctx.workflow, h.address, "float32", (4,), (-1,), 16)),
         ("foreign", Handle("other", h.address, "float32", (4,), (1,), 16)),
         ("not_a_handle", [1, 2]),
     ):
