@@ -112,9 +112,9 @@ class _Instance:
         self.reset = False
 
 
-def _check_registered(state: _Instance, program: PlanProgram, instance: Hashable) -> None:
+def _check_registered(state: _Instance, registered: PlanProgram | None, instance: Hashable) -> None:
     """A run still issuing stops once its instance was released (`release_instance`): its rows are gone."""
-    if state.program is not program:
+    if state.program is not registered:
         raise RecycledAccess(f"instance {instance!r} was released while its run was being issued")
 
 
@@ -405,7 +405,7 @@ class PlanExecutor:
     ) -> None:
         """The hot loop on the plan's `AccessSchedule`: one allocator call per kernel (module doc)."""
         program, table, lock, rows = model.program, state.table, state.lock, state.rows
-        first, last = state.first, state.last
+        first, last, registered = state.first, state.last, state.program  # as `_enter` left it
         steps = self._schedule(program).steps  # type: ignore[union-attr]  # checked by `run`
         with lock:
             calls = self._calls_for(state, model)
@@ -428,7 +428,7 @@ class PlanExecutor:
                 if on_kernel is not None:
                     on_kernel(i, k.kernel)
                 with lock:  # against `release_instance` from another thread
-                    _check_registered(state, program, instance)
+                    _check_registered(state, registered, instance)
                     if step.first or spent:
                         freeing, spent = spent, []
                         table.place(first[i], free_and_allocate(freeing, step.sizes, stream))
