@@ -329,6 +329,10 @@ class AsyncProxyClient:
     async def stats(self) -> dict[str, Any]:
         return await self.call("stats", {}, 30.0)
 
+    async def pin(self, pinned: bool) -> bool:
+        """Pause (True) or resume (False) the keep-alive of the proxy's instances."""
+        return bool(await self.call("pin", {"pinned": pinned}, 30.0))
+
     def close(self) -> None:
         self._stop_watch()
         if self._reader is not None:

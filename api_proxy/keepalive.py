@@ -10,6 +10,9 @@
   with requests in flight is never evicted (the caller waits instead). Idle proxies expire after
   `keep_alive_s`.
 
+Both can be pinned: a replay deploys several workflows before its clock starts, and a deploy takes
+seconds, longer than a time-compressed keep-alive; pinned, nothing expires until the warm-up ends.
+
 Every method takes `now` (seconds, any monotonic origin) and returns decisions; the shells (the proxy
 for instances, `ProxyInvoker` for proxies) carry them out.
 """
@@ -54,6 +57,7 @@ class InstancePool:
             raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
         self.max_instances = max_instances
         self.keep_alive_s = keep_alive_s
+        self.pinned = False  # while pinned, no instance expires (a deployment's warm-up)
         self._instances: dict[Hashable, _Inst] = {}
 
     def __len__(self) -> int:
@@ -102,13 +106,28 @@ class InstancePool:
     def remove(self, instance: Hashable) -> None:
         self._instances.pop(instance, None)
 
+    def pin(self) -> None:
+        """No instance expires until `unpin`: a deployment's warm-up is not idle time."""
+        self.pinned = True
+
+    def unpin(self, now: float) -> None:
+        """Instances expire again; the idle ones count as used at `now` (their keep-alive starts)."""
+        self.pinned = False
+        for state in self._instances.values():
+            if not state.busy:
+                state.last_used = max(state.last_used, now)
+
     def expired(self, now: float) -> list[Hashable]:
         """Idle instances whose keep-alive has run out (oldest first); the caller stops and removes them."""
+        if self.pinned:
+            return []
         idle = ((s.last_used, i) for i, s in self._instances.items() if not s.busy)
         return _expired(idle, now, self.keep_alive_s)
 
     def next_expiry(self) -> float | None:
-        """When the next idle instance expires (None: no idle instance)."""
+        """When the next idle instance expires (None: no idle instance, or pinned)."""
+        if self.pinned:
+            return None
         times = [s.last_used + self.keep_alive_s for s in self._instances.values() if not s.busy]
         return min(times) if times else None
 
@@ -127,6 +146,7 @@ class _Proxy:
     device: int
     last_used: float
     inflight: int = 0
+    pinned: bool = False
 
 
 @dataclass
@@ -195,7 +215,19 @@ class WarmProxies:
     def remove(self, key: Hashable) -> None:
         self._proxies.pop(key, None)
 
+    def pin(self, key: Hashable) -> None:
+        """`key`'s proxy, if warm, does not expire until `unpin` (it may still be evicted for room)."""
+        if key in self._proxies:
+            self._proxies[key].pinned = True
+
+    def unpin(self, key: Hashable, now: float) -> None:
+        """`key`'s proxy expires again, its keep-alive counted from `now`."""
+        p = self._proxies.get(key)
+        if p is not None and p.pinned:
+            p.pinned = False
+            p.last_used = max(p.last_used, now)
+
     def expired(self, now: float) -> list[Hashable]:
-        """Idle proxies past their keep-alive, oldest first."""
-        idle = ((p.last_used, k) for k, p in self._proxies.items() if p.inflight == 0)
+        """Idle proxies past their keep-alive, oldest first (pinned ones never)."""
+        idle = ((p.last_used, k) for k, p in self._proxies.items() if p.inflight == 0 and not p.pinned)
         return _expired(idle, now, self.keep_alive_s)

@@ -24,7 +24,8 @@ input shapes share them):
 - `release(model, after=done)`: the user leaves once `after` (its run's `done` event) has
   completed; until then it still counts as a user, so a running kernel never loses its weights.
 - `expire()`: frees the weights of models idle for longer than `keep_alive_s` (the policy decides;
-  a periodic sweep calls this). `evict_idle(nbytes)` frees idle models early, oldest first: a
+  a periodic sweep calls this); `pin(True)` pauses it (a replay's warm-up), `pin(False)` resumes it
+  with every idle model idle from then. `evict_idle(nbytes)` frees idle models early, oldest first: a
   reclaimer of `ReclaimingAllocator`, run when the pool answers an allocation with `Reclaim`.
 """
 
@@ -93,6 +94,7 @@ class ModelCache:
         self.copy = copy
         self.daemon = daemon
         self._policy = WeightCache()
+        self._pinned = False  # keep-alive paused (a replay's warm-up): `pin`
         self._resident: dict[str, _Resident] = {}
         self._deferred: list[tuple[Event, str]] = []
         self._lock = threading.Lock()
@@ -257,13 +259,20 @@ class ModelCache:
         with self._lock:
             self._settle_locked()
             now = self.clock() if now is None else now
-            expired = self._policy.expired(now, self.keep_alive_s)
+            expired = [] if self._pinned else self._policy.expired(now, self.keep_alive_s)
             failed = [  # idle models whose daemon load failed: dropped now, loaded again on next use
                 m
                 for m, r in self._resident.items()
                 if r.load is not None and r.load.ticket.error is not None and self._policy.users(m) == 0
             ]
             return self._evict_locked([*expired, *(m for m in failed if m not in expired)], None)
+
+    def pin(self, pinned: bool) -> None:
+        """Pause (True) or resume (False) the keep-alive; resuming counts idle models as idle from now."""
+        with self._lock:
+            self._pinned = pinned
+            if not pinned:
+                self._policy.restart_idle(self.clock())
 
     def evict_idle(self, nbytes: int) -> int:
         """Free idle models (no user; oldest idle first) until `nbytes` are freed; returns bytes."""

@@ -386,6 +386,10 @@ class ProxyServer:
             return self.end_request(str(args["request_id"]))
         if op == "stats":
             return self.snapshot()
+        if op == "pin":  # keep-alive paused for a replay's warm-up (keepalive.py)
+            self.lifecycle.scheduler.pin(bool(args["pinned"]), _now())
+            self.memory.models.pin(bool(args["pinned"]))
+            return True
         if op == "shutdown":
             self._stop = True
             return True

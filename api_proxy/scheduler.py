@@ -126,6 +126,15 @@ class InvocationScheduler:
                 actions.append(Stop(function, instance))
         return actions
 
+    def pin(self, pinned: bool, now: float) -> None:
+        """While pinned, no instance expires (a deployment's warm-up); unpinning counts the idle
+        instances as used at `now`."""
+        for pool in self.pools.values():
+            if pinned:
+                pool.pin()
+            else:
+                pool.unpin(now)
+
     def next_due(self) -> float | None:
         """The earliest moment `tick` may have something to do (None: nothing pending)."""
         due: Iterable[float | None] = [

@@ -395,6 +395,12 @@ class WeightCache:
         ]
         return [model for _, model in sorted(idle)]
 
+    def restart_idle(self, now: float) -> None:
+        """Every idle model counts as idle from `now` (a warm-up that was not idle time ended)."""
+        for use in self._models.values():
+            if use.idle_since is not None:
+                use.idle_since = max(use.idle_since, now)
+
     def evict(self, model: str) -> None:
         """Forget a model whose weights the caller has freed; refuses a model with users."""
         use = self._models.get(model)

@@ -170,8 +170,15 @@ class WorkflowTarget:
         invoker = self._make_invoker(self._config, self.options, self.invoker_options)
         self._engine = Engine(invoker)
         try:
+            # The warm-up ends when the replay starts, not at each workflow's own deploy: the deploys
+            # after one may outlast a time-compressed keep-alive (workflows/invoker.py, pin_warm).
+            pin_warm = getattr(invoker, "pin_warm", None)
             for spec_ in self._specs.values():
                 await self._engine.deploy(spec_)
+                if pin_warm is not None:
+                    await pin_warm(spec_.name, True)
+            for spec_ in self._specs.values() if pin_warm is not None else ():
+                await pin_warm(spec_.name, False)
             refresh = getattr(invoker, "refresh_stats", None)
             if refresh is not None:  # the first sample already sees what deploying loaded
                 await refresh()

@@ -16,6 +16,10 @@ Rules every invoker follows:
 - `end_request(workflow, request_id)` is called exactly once per request, after its last invocation
   returned or was abandoned (failure, timeout): it drops every key of that request still stored and
   must also drop keys that an abandoned invocation still running puts afterwards.
+- Optional: `async pin_warm(workflow, pinned)` pauses (True) and resumes (False) the keep-alive of a
+  deployed workflow's warm proxy and instances; resuming counts them as used then. A replay pins each
+  workflow once deployed and resumes them all when its clock starts, so that a time-compressed
+  keep-alive does not run out during the deploys that follow a workflow's own.
 - Invokers are used from one asyncio event loop; `invoke` may be called concurrently (the engine
   limits each function to its `max_instances` concurrent invocations).
 """

@@ -292,6 +292,16 @@ class MonolithicInvoker:
             if errors:
                 raise errors[0]
 
+    async def pin_warm(self, workflow: str, pinned: bool) -> None:
+        """Pause (True) or resume (False) the keep-alive of the workflow's instances; resuming counts
+        the idle ones as used now (see `ProxyInvoker.pin_warm`)."""
+        now = time.monotonic()
+        for fn in deployed(self._workflows, workflow).functions.values():
+            if pinned:
+                fn.pool.pin()
+            else:
+                fn.pool.unpin(now)
+
     async def invoke(
         self,
         workflow: str,

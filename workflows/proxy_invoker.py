@@ -110,6 +110,20 @@ class ProxyInvoker:
             self._reserve(wf, admission.device)
             await self._start(wf, admission.device)
 
+    async def pin_warm(self, workflow: str, pinned: bool) -> None:
+        """Pause (True) or resume (False) the keep-alive of the workflow's proxy and its instances;
+        resuming counts them as used now. For a replay's warm-up: it deploys every workflow before
+        its clock starts, and the deploys after one may outlast a time-compressed keep-alive. A
+        proxy that is not warm is left alone (pinning does not start it)."""
+        wf = deployed(self._workflows, workflow)
+        now = time.monotonic()
+        if pinned:
+            self.warm.pin(workflow)
+        else:
+            self.warm.unpin(workflow, now)
+        if wf.client is not None:
+            await wf.client.pin(pinned)
+
     async def invoke(
         self,
         workflow: str,

@@ -110,3 +110,35 @@ def test_idle_proxies_expire_after_keep_alive():
     assert warm.expired(700.0) == ["a"]
     warm.remove("a")
     assert warm.warm() == ["b"]
+
+
+def test_pinned_instances_and_proxies_never_expire_and_count_as_used_when_unpinned():
+    pool = InstancePool(max_instances=2, keep_alive_s=10)
+    pool.add("idle", 0.0)
+    pool.release("idle", 0.0)
+    pool.add("busy", 0.0)
+    pool.pin()  # a replay's warm-up: the deploys after this workflow's take 30 s
+    assert pool.expired(30.0) == [] and pool.next_expiry() is None
+    pool.unpin(30.0)  # the replay's clock starts
+    assert pool.expired(39.0) == [] and pool.next_expiry() == 40.0 and pool.expired(40.0) == ["idle"]
+    assert pool.busy == ["busy"]  # a busy instance stays busy
+    proxies = WarmProxies(keep_alive_s=10)
+    proxies.started("wf", 0, 0.0)
+    proxies.started("other", 0, 0.0)
+    proxies.pin("wf")
+    proxies.pin("gone")  # not warm: nothing to do
+    assert proxies.expired(30.0) == ["other"]
+    proxies.unpin("wf", 30.0)
+    assert proxies.expired(39.0) == ["other"] and proxies.expired(40.0) == ["other", "wf"]
+
+
+def test_weight_cache_restart_idle_counts_idle_models_from_then_and_leaves_used_ones():
+    from streambox.memory_pool.mapping_table import WeightCache
+
+    cache = WeightCache()
+    cache.acquire("idle", 0.0)
+    cache.release("idle", 0.0)
+    cache.acquire("used", 0.0)
+    cache.restart_idle(30.0)
+    assert cache.expired(39.0, 10.0) == [] and cache.expired(40.5, 10.0) == ["idle"]
+    assert cache.idle_since("used") is None

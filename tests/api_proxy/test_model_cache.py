@@ -114,6 +114,22 @@ def test_keep_alive_then_release_and_reload(pool, runtime):
     cache.close()
 
 
+def test_pinned_weights_outlive_their_keep_alive_and_count_as_idle_from_the_unpin(pool, runtime):
+    mem, clock, cache, plan, s = cache_on(pool, runtime, keep_alive_s=30.0)
+    cache.acquire(plan, s)
+    s.synchronize()
+    cache.release("resnet18")
+    cache.pin(True)  # a replay's warm-up: other workflows deploy meanwhile
+    clock.now += 100.0
+    assert cache.expire() == [] and mem.demand_bytes == plan.weight_bytes
+    cache.pin(False)  # the replay's clock starts: idle from now
+    clock.now += 30.0
+    assert cache.expire() == []
+    clock.now += 0.5
+    assert cache.expire() == ["resnet18"] and mem.demand_bytes == 0
+    cache.close()
+
+
 def test_weights_are_never_freed_under_a_running_kernel(pool, runtime):
     from streambox.api_proxy.executor import PlanExecutor
 

@@ -202,6 +202,10 @@ def test_prewarmed_instance_infers_with_its_own_weights_and_scales_to_zero(tmp_p
         invoker = MonolithicInvoker(config, keep_alive_s=3.0, prewarm=1)
         try:
             await invoker.deploy(spec)  # starts the instance: runtime, its own copy of the weights
+            await invoker.pin_warm("mono-infer", True)  # a replay's warm-up: no keep-alive
+            await asyncio.sleep(3.5)
+            assert invoker.memory_breakdown()["instances"] == 1
+            await invoker.pin_warm("mono-infer", False)  # it counts from now
             memory = invoker.memory_breakdown()
             assert memory["instances"] == 1 and memory["weights_bytes"] == weights
             assert memory["context_bytes"] == config.device_spec().context_memory

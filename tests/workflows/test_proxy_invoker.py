@@ -101,3 +101,31 @@ def test_concurrent_requests_of_more_workflows_than_slots_take_turns_on_the_gpu(
             await engine.close()
 
     asyncio.run(scenario())
+
+
+def test_a_pinned_proxy_and_its_instances_outlive_their_keep_alive_until_unpinned(tmp_path):
+    """A replay deploys every workflow, then starts its clock: a proxy whose (time-compressed)
+    keep-alive would run out during the deploys after its own is pinned meanwhile."""
+    (tmp_path / "invoker_test_handlers.py").write_text(HANDLERS)
+    config = Config.from_env().with_overrides(state_dir=tmp_path / "state")
+
+    async def scenario() -> None:
+        invoker = ProxyInvoker(config, keep_alive_s=0.5, proxy_options={"prefork": 1, "prewarm": 1})
+        engine = Engine(invoker)
+        try:
+            await engine.deploy(_spec("one", tmp_path))
+            await invoker.pin_warm("one", True)
+            await asyncio.sleep(1.5)  # three keep-alives
+            assert invoker.warm.warm() == ["one"]
+            await invoker.pin_warm("one", False)
+            first = await engine.run("one", {"scale": 2})
+            assert first.ok and first.cold_starts == 0  # proxy and prewarmed instances still warm
+            for _ in range(200):  # unpinned: the idle proxy goes at its keep-alive
+                if not invoker.warm.warm():
+                    break
+                await asyncio.sleep(0.05)
+            assert invoker.warm.warm() == [] and invoker.proxy_starts == 1
+        finally:
+            await engine.close()
+
+    asyncio.run(scenario())
