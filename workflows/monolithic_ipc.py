@@ -38,6 +38,7 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -176,6 +177,9 @@ class IpcHandleStore:
         self._device_bandwidth = float(spec.link.device_bandwidth)
         self._stream = runtime.create_stream()  # frees of retired keys
         self._exported: dict[str, _Exported] = {}
+        # A batched message runs its members' handlers on threads of one instance: its exported keys
+        # and counters are shared between them.
+        self._lock = threading.RLock()
         self.opened = 0  # handles this instance opened (GETs)
         self.exported = 0  # handles this instance exported (PUTs)
         self.cached_peak_bytes = 0  # the most `cached_bytes` ever was
@@ -183,7 +187,8 @@ class IpcHandleStore:
     @property
     def cached_bytes(self) -> int:
         """Bytes this instance holds in GPU memory for keys it put and nobody retired yet."""
-        return sum(e.handle.nbytes for e in self._exported.values())
+        with self._lock:
+            return sum(e.handle.nbytes for e in self._exported.values())
 
     def put(
         self,
@@ -230,9 +235,10 @@ class IpcHandleStore:
             _drop(segment)
             raise StoreError(refusal)
         busy_wait(self.model.export_s)  # cuIpcGetMemHandle (modelled)
-        self._exported[key] = _Exported(handle, segment, self.workflow, request_id, expires)
-        self.exported += 1
-        self.cached_peak_bytes = max(self.cached_peak_bytes, self.cached_bytes)
+        with self._lock:
+            self._exported[key] = _Exported(handle, segment, self.workflow, request_id, expires)
+            self.exported += 1
+            self.cached_peak_bytes = max(self.cached_peak_bytes, self.cached_bytes)
 
     def _mirror(self, handle: DeviceTensor) -> shared_memory.SharedMemory:
         """The allocation's bytes in a shared segment other processes can map (functional mode)."""
@@ -305,7 +311,8 @@ class IpcHandleStore:
         runtime.launch(stream, copy, name="ipc-copy", duration_s=nbytes / self._device_bandwidth)
         stream.synchronize()  # the mapping closes after the copy
         busy_wait(self.model.close_s)  # modelled
-        self.opened += 1
+        with self._lock:
+            self.opened += 1
         dtype = getattr(torch, meta["dtype"])
         return DeviceTensor(address, dtype, tuple(meta["shape"]), tuple(meta["strides"]), nbytes)
 
@@ -318,31 +325,32 @@ class IpcHandleStore:
     def reap(self) -> int:
         """Free the allocations of this instance's keys that were retired (last consumer, DELETE,
         TTL, end of request). Returns how many went."""
-        if not self._exported:
-            return 0
-        now = time.time()
-        registry = self.registry
-        gone = [
-            key
-            for key, e in self._exported.items()
-            if not registry.key_path(key).exists()
-            or (e.expires is not None and e.expires <= now)
-            or registry.ended_path(e.workflow, e.request_id).exists()
-        ]
-        if not gone:
-            return 0
-        with registry.locked():
+        with self._lock:  # one reaper at a time: a key is listed and popped once
+            if not self._exported:
+                return 0
+            now = time.time()
+            registry = self.registry
+            gone = [
+                key
+                for key, e in self._exported.items()
+                if not registry.key_path(key).exists()
+                or (e.expires is not None and e.expires <= now)
+                or registry.ended_path(e.workflow, e.request_id).exists()
+            ]
+            if not gone:
+                return 0
+            with registry.locked():
+                for key in gone:
+                    registry.retire(key)
             for key in gone:
-                registry.retire(key)
-        for key in gone:
-            entry = self._exported.pop(key)
-            self._allocator.free(entry.handle.address, self._stream)
-            _drop(entry.segment)
-        self._stream.synchronize()
-        return len(gone)
+                entry = self._exported.pop(key)
+                self._allocator.free(entry.handle.address, self._stream)
+                _drop(entry.segment)
+            self._stream.synchronize()
+            return len(gone)
 
     def close(self) -> None:
-        with self.registry.locked():
+        with self._lock, self.registry.locked():
             for key in self._exported:
                 self.registry.retire(key)
         self.reap()

@@ -104,3 +104,50 @@ def test_a_get_whose_producer_is_gone_says_so(sides: tuple[_Side, _Side]) -> Non
     segment.unlink()  # what the producer's exit leaves: no segment behind the handle
     with pytest.raises(StoreError, match=r"its producer \(pid \d+\) is gone"):
         consumer.store.get("wf/r1/orphan", timeout=1.0, stream=consumer.stream)
+
+
+def test_handlers_of_one_batched_message_put_and_reap_on_threads_without_losing_a_key(
+    sides: tuple[_Side, _Side],
+) -> None:
+    """A batched message runs its members' handlers on threads of one instance: their PUTs (each
+    reaping retired keys first) and a consumer retiring keys meanwhile share the producer's store."""
+    import threading
+
+    producer, consumer = sides
+    threads, per_thread = 4, 15
+    errors: list[BaseException] = []
+    x = torch.ones(256, dtype=torch.float32)
+
+    def produce(t: int) -> None:
+        stream = producer.runtime.create_stream()
+        try:
+            for i in range(per_thread):
+                handle = upload_tensor(producer.runtime, x, producer.allocator.allocate, stream)
+                producer.store.put(f"wf/r1/t{t}-{i}", handle, consumers=1, stream=stream, owner="r1")
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+        finally:
+            stream.synchronize()
+            stream.destroy()
+
+    def consume() -> None:
+        try:
+            for t in range(threads):
+                for i in range(per_thread):
+                    key = f"wf/r1/t{t}-{i}"
+                    got, last, _, _ = consumer.store.get(key, timeout=10.0, stream=consumer.stream)
+                    assert last
+                    consumer.allocator.free(got.address, consumer.stream)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    workers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)]
+    workers.append(threading.Thread(target=consume))
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert errors == []
+    assert producer.store.exported == threads * per_thread and consumer.store.opened == threads * per_thread
+    producer.store.reap()
+    assert producer.store.cached_bytes == 0  # every retired key freed exactly once
