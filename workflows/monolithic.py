@@ -516,6 +516,12 @@ class MonolithicInvoker:
                 instances=instances,
             )
 
+    @property
+    def starting_instances(self) -> int:
+        """Instance processes started and not yet up (a call that found a warm one leaves its
+        start going on: a benchmark waits for them before it measures)."""
+        return len(self._starting)
+
     def live_instances(self, workflow: str) -> dict[str, list[int]]:
         """Per function, the pids of its live instances (started and not stopped)."""
         wf = self._workflows[workflow]
