@@ -14,7 +14,7 @@ import torch
 
 from streambox.comm.baselines import RedisServer
 from streambox.config import Config
-from streambox.workflows.invoker import InvocationError
+from streambox.workflows.invoker import InvocationError, InvocationTimeout
 from streambox.workflows.monolithic import MonolithicInvoker
 from streambox.workflows.validation import parse_spec
 
@@ -138,5 +138,30 @@ def test_a_burst_runs_as_one_inference_in_one_instance_and_a_failing_member_fail
             assert invoker.memory_breakdown()["instances"] == 1  # the instance stayed warm
         finally:
             await invoker.close()
+
+    run(scenario())
+
+
+def test_a_queued_invocation_times_out_alone_and_closing_fails_the_waiting_ones(tmp_path, run, pool):
+    """While its batch is open an invocation is only queued: its own deadline answers it, and closing
+    the invoker fails it with a reason (no instance is started for either)."""
+    config = _config(tmp_path, pool.root)
+    slow = WORKFLOW.replace("max_queue_delay_ms: 300", "max_queue_delay_ms: 10000")
+    spec = parse_spec(slow, "batch.yaml", base_dir=tmp_path)
+
+    async def scenario() -> None:
+        invoker = MonolithicInvoker(config, data_path="cuda-ipc")
+        try:
+            await invoker.deploy(spec)
+            with pytest.raises(InvocationTimeout, match="ran out in its batch"):
+                await invoker.invoke("mono-batch", "classify", {"seed": 0}, "r1", timeout_s=0.2)
+            waiting = asyncio.ensure_future(invoker.invoke("mono-batch", "classify", {"seed": 1}, "r2"))
+            await asyncio.sleep(0.1)
+            assert not waiting.done()
+        finally:
+            await invoker.close()
+        with pytest.raises(InvocationError, match="the invoker closed") as closed:
+            await waiting
+        assert closed.value.function == "classify" and invoker.instance_starts == 0
 
     run(scenario())
