@@ -251,10 +251,12 @@ def main() -> int:
     p.add_argument("--max-batch-size", type=int, default=4)
     p.add_argument("--delay-ms", type=float, default=5.0, help="max_queue_delay_ms of the batched run")
     p.add_argument("--rounds", type=int, default=2, help="rounds, each both configurations, ABBA order")
+    p.add_argument("--params", nargs="*", default=[], metavar="[FUNCTION.]KEY=VALUE",
+                   help="override params as `streambox burst --params` does (e.g. detect.max_people=4)")
     args = p.parse_args()
     requests = 16 if args.quick else args.requests
     rounds = 1 if args.quick else args.rounds
-    base, events = prepare(args.workflow, requests=requests, warmup=0)
+    base, events = prepare(args.workflow, requests=requests, warmup=0, params=args.params)
     title = (
         f"{base.name}: max_batch_size {args.max_batch_size}, max_queue_delay_ms {args.delay_ms:g} vs 1 "
         f"({requests} requests x {rounds} rounds, concurrency {args.concurrency}, medians over rounds; "
@@ -282,6 +284,7 @@ def main() -> int:
         "concurrency": args.concurrency,
         "max_batch_size": args.max_batch_size,
         "delay_ms": args.delay_ms,
+        "params": args.params,
     }
     results = {
         "runs": runs,
