@@ -352,10 +352,15 @@ class LocalContext:
                 f"model {model!r} takes a batch of {want} inputs [B, ...], got {tensor.dtype} "
                 f"{list(tensor.shape)}"
             )
+        return [self._handle(output, owned=True) for output in self._run_model(model, tensor)]
+
+    def _run_model(self, model: str, tensor: DeviceTensor) -> list[DeviceTensor]:
+        """One inference of `model` on this invocation's stream: its outputs, in the plan's order
+        (the monolithic instance runs it as part of a batch instead: `instance_batching.py`)."""
         resident = self._wf.model(model, tensor.shape[0], tuple(tensor.shape[1:]))
         plan = resident.plan
         run = self._wf.executor.run(resident, {plan.inputs[0]: tensor}, self._stream)
-        return [self._handle(run.outputs[name], owned=True) for name in plan.outputs]
+        return [run.outputs[name] for name in plan.outputs]
 
     def put(self, key: str, handle: Handle, consumers: int | None = None, ttl: float | None = None) -> None:
         tensor = self._tensor(handle, f"PUT of key {key!r}")

@@ -5,7 +5,7 @@ against (INFless-like; paper section 2 and 9).
   process started cold (`monolithic_instance.py`): it starts Python, imports the framework, opens its
   own runtime on the configured device (a context of its own: `context_memory` bytes and
   `context_create_s` on the emulated device), uploads its function's models into its own memory
-  (a copy per instance) and then serves one invocation at a time. Its allocator is a static caching
+  (a copy per instance) and then serves one message at a time. Its allocator is a static caching
   pool, as PyTorch's: what it reserved stays reserved until the instance stops.
 - **An MPS share per instance** (INFless's GPU%): each instance opens its runtime with
   `open_runtime(i, gpu_percent=P)`, `P` the invoker's `gpu_percent` or an equal share per function
@@ -14,6 +14,14 @@ against (INFless-like; paper section 2 and 9).
   idle instance, else starts one (cold start), else waits for one to go idle
   (`api_proxy.keepalive.InstancePool`, the same policy the proxy uses). Idle instances stop after
   `keep_alive_s` (scale to zero); `prewarm` instances per function start at deploy.
+- **Batching (INFless's)**: a function with `max_batch_size` > 1 and `max_queue_delay_ms` > 0 (the
+  settings the proxy reads) has its invocations queued (`batch_queue.py`: the proxy's pure
+  `Gatherer`): up to `max_batch_size` samples (each invocation brings the function's `batch_size`),
+  the first waiting at most `max_queue_delay_ms`; the batch then takes one instance (as a call does)
+  and goes as ONE message, `{"op": "invoke_batch", "calls": [{event, request_id}, ...]}`, answered by
+  `{"replies": [...], "stats"}`, one reply per invocation. The instance runs the handlers on threads
+  and their `infer` calls of one model and per-sample shape as one inference
+  (`instance_batching.py`). A batch of one goes as a plain `invoke`; other functions never wait.
 - **Func-IPC through external storage**: one private `redis-server` (`comm.baselines.RedisServer`)
   starts at the first deploy. `ctx.put` copies the tensor device -> host and writes it to Redis;
   `ctx.get` waits until the key is there, reads it and copies it host -> device into the consumer's
@@ -39,7 +47,8 @@ against (INFless-like; paper section 2 and 9).
   A call the engine abandons (cancels) keeps running in its instance, which goes back to the pool
   when it answers (or is killed at the call's limit).
 - **Stats**: `memory_breakdown()` (thread-safe, for the replay's sampler) and `runtime_stats()` (the
-  gateway's) sum what each instance reported after starting and after each invocation.
+  gateway's) sum what each instance reported after starting and after each message;
+  `inference_counts()` sums its inferences (plan runs against the `infer` calls they served).
 
 Messages between the invoker and an instance: 4-byte big-endian length + a JSON object, over a
 socket pair (never pickles).
@@ -60,16 +69,20 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streambox.api_proxy.batched_infer import limits_of
+from streambox.api_proxy.batcher import Limits
+from streambox.api_proxy.function_spec import ProxyFunction
 from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, InstancePool
 from streambox.comm.baselines import CudaIpcModel, RedisServer, RedisUnavailable
 from streambox.config import Config
 from streambox.phases import COLD_START, QUEUE
 
+from .batch_queue import BatchQueue, Delivered, Pending
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats, deployed
 from .local import _json_copy
 from .monolithic_ipc import HandleRegistry
@@ -85,6 +98,8 @@ LAUNCH_INSTANCE = "import sys; from streambox.workflows.monolithic_instance impo
 MEMORY_PARTS = ("context_bytes", "weights_bytes", "pool_reserved_bytes", "pool_used_bytes")
 #: What `memory_breakdown` sums too for astraea's data path (`monolithic_ipc.py`).
 CUDA_IPC_PARTS = ("ipc_cached_bytes", "ipc_cached_peak_bytes", "ipc_exported", "ipc_opened")
+#: The inference counters each instance reports (`instance_batching.InferCounts`).
+INFER_COUNTS = ("plan_runs", "infer_calls", "batched_runs", "batched_calls")
 #: How intermediate data goes between instances: INFless's Func-IPC (Redis) or Astraea's CUDA-IPC
 #: handles (`monolithic_ipc.py`), by the system name each one is replayed as.
 DATA_PATHS = {"redis": "infless", "cuda-ipc": "astraea"}
@@ -165,6 +180,8 @@ class _Function:
     name: str
     pool: InstancePool
     timeout_s: float
+    limits: Limits | None = None  # its batching (None: one invocation per message)
+    samples: int = 1  # what one invocation brings to a batch: the function's batch_size
     instances: dict[int, _Instance] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # an instance went idle or away
 
@@ -232,6 +249,10 @@ class MonolithicInvoker:
         self._device_load = [0] * self.config.gpus  # instances per device, starting ones included
         self._starting: dict[int, subprocess.Popen[bytes]] = {}
         self._closed = False
+        self._batches = BatchQueue(self._dispatch)
+        self.batches_sent = 0  # messages that carried more than one invocation
+        self.calls_batched = 0  # the invocations they carried
+        self._retired_counts: dict[str, int] = dict.fromkeys(INFER_COUNTS, 0)  # of stopped instances
 
     @classmethod
     def factory(cls, **options: Any) -> Any:
@@ -271,6 +292,8 @@ class MonolithicInvoker:
                 name,
                 InstancePool(fn.max_instances, self.keep_alive_s),
                 (fn.timeout_ms or spec.timeout_ms) / 1e3,
+                limits_of(ProxyFunction.of(name, fn)),  # the same settings the proxy reads
+                fn.batch_size,
             )
             for name, fn in spec.functions.items()
         }
@@ -320,6 +343,8 @@ class MonolithicInvoker:
             )
         event = _json_copy(event, f"the event of {function!r}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if fn.limits is not None:
+            return await self._invoke_batched(wf, fn, Pending(event, request_id, deadline, started))
         instance, cold = await self._acquire(wf, fn, deadline)
         # The phases this invoker can measure: the wait for an instance, its start when cold.
         phases = {COLD_START if cold else QUEUE: time.perf_counter() - started}
@@ -336,6 +361,61 @@ class MonolithicInvoker:
             raise InvocationError(function, reply["error_type"], reply["message"], reply.get("traceback"))
         return InvocationResult(reply["output"], cold, time.perf_counter() - started, phases)
 
+    async def _invoke_batched(self, wf: _Workflow, fn: _Function, pending: Pending) -> InvocationResult:
+        """The invocation waits in its function's batch (`batch_queue.py`), which goes to one
+        instance as one message (`_send_batch`)."""
+        assert fn.limits is not None
+        self._batches.add((wf.spec.name, fn.name), pending, fn.samples, fn.limits)
+        try:  # cancelled or timed out while still queued: its batch leaves it out
+            delivered = await asyncio.wait_for(pending.reply, _left(pending.deadline))
+        except TimeoutError:
+            raise InvocationTimeout(f"{fn.name}: the request's time ran out in its batch") from None
+        reply = delivered.reply
+        if not reply["ok"]:
+            raise InvocationError(fn.name, reply["error_type"], reply["message"], reply.get("traceback"))
+        phases = {COLD_START if delivered.cold else QUEUE: delivered.waited_s}
+        elapsed = time.perf_counter() - pending.started
+        return InvocationResult(reply["output"], delivered.cold, elapsed, phases)
+
+    def _dispatch(self, kind: Hashable, members: list[Pending]) -> None:
+        workflow, function = kind  # type: ignore[misc]
+        wf = self._workflows[workflow]
+        self._spawn(self._send_batch(wf, wf.functions[function], members))
+
+    async def _send_batch(self, wf: _Workflow, fn: _Function, members: list[Pending]) -> None:
+        """A closed batch: one instance (warm, cold or waited for), one message, one reply each.
+        Its time limit is the latest of its members' (each stops waiting at its own)."""
+        deadlines = [m.deadline for m in members]
+        deadline = None if None in deadlines else max(d for d in deadlines if d is not None)
+        try:
+            instance, cold = await self._acquire(wf, fn, deadline)
+            sent = time.perf_counter()
+            live = [m for m in members if m.waiting]
+            limit = fn.timeout_s if deadline is None else min(fn.timeout_s, deadline - time.monotonic())
+            if not live or limit <= 0:
+                self._release(fn, instance)
+                raise InvocationTimeout(f"{fn.name}: the request's time ran out before the batch was sent")
+            calls = [{"event": m.event, "request_id": m.request_id} for m in live]
+            if len(live) == 1:
+                replies = [await self._call(fn, instance, {"op": "invoke", **calls[0]}, limit)]
+            else:
+                reply = await self._call(fn, instance, {"op": "invoke_batch", "calls": calls}, limit)
+                replies = reply["replies"]
+                self.batches_sent += 1
+                self.calls_batched += len(live)
+            for member, answer in zip(live, replies, strict=True):
+                if member.waiting:
+                    member.reply.set_result(Delivered(answer, cold, sent - member.started))
+        except Exception as error:
+            for member in members:
+                if member.waiting:
+                    member.reply.set_exception(error)
+        finally:  # cancelled (the invoker closed): nobody waits for ever
+            closed = InvocationError(fn.name, "InvokerClosed", "the invoker closed")
+            for member in members:
+                if member.waiting:
+                    member.reply.set_exception(closed)
+
     async def end_request(self, workflow: str, request_id: str) -> None:
         if self._registry is not None:  # astraea: the producers free the request's cached data
             self._registry.end_request(workflow, request_id)
@@ -348,6 +428,7 @@ class MonolithicInvoker:
 
     async def close(self) -> None:
         self._closed = True
+        self._batches.fail_all(lambda kind: InvocationError(kind[1], "InvokerClosed", "the invoker closed"))  # type: ignore[index]
         if self._housekeeping is not None:
             self._housekeeping.cancel()
             with contextlib.suppress(BaseException):
@@ -401,6 +482,18 @@ class MonolithicInvoker:
         totals["busy_instances"] = float(busy)
         return totals
 
+    def inference_counts(self) -> dict[str, int]:
+        """The instances' inferences since the invoker started (stopped instances included):
+        `plan_runs` (a batch counts once) against the `infer_calls` they served, `batched_runs` and
+        the `batched_calls` in them; and the messages that carried several invocations (`batches_sent`,
+        `calls_batched`)."""
+        with self._lock:
+            totals = dict(self._retired_counts)
+            for report in self._reports.values():
+                for part in INFER_COUNTS:
+                    totals[part] += int(report.get(part, 0))
+        return {**totals, "batches_sent": self.batches_sent, "calls_batched": self.calls_batched}
+
     def runtime_stats(self) -> Iterator[RuntimeStats]:
         """The gateway's stats callback: per workflow and device, its instances' runtimes summed."""
         with self._lock:
@@ -422,6 +515,12 @@ class MonolithicInvoker:
                 pool_used_bytes=sum(int(r["pool_used_bytes"]) for _, r in members),
                 instances=instances,
             )
+
+    @property
+    def starting_instances(self) -> int:
+        """Instance processes started and not yet up (a call that found a warm one leaves its
+        start going on: a benchmark waits for them before it measures)."""
+        return len(self._starting)
 
     def live_instances(self, workflow: str) -> dict[str, list[int]]:
         """Per function, the pids of its live instances (started and not stopped)."""
@@ -707,7 +806,9 @@ class MonolithicInvoker:
             if instance.process.poll() is None:  # cancelled half-way: no process outlives its stop
                 instance.process.kill()
             with self._lock:  # its memory is counted until its process is gone
-                self._reports.pop(instance.id, None)
+                report = self._reports.pop(instance.id, None) or {}
+                for part in INFER_COUNTS:
+                    self._retired_counts[part] += int(report.get(part, 0))
                 self._owners.pop(instance.id, None)
             self._device_load[instance.device] -= 1
 

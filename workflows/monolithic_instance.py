@@ -5,7 +5,11 @@ socket pair. At start it opens its own runtime on the configured device (a conte
 imports its handler and uploads its function's models into its own memory; then it answers
 `{"ok": true, "pid", "stats"}` (or `{"ok": false, "error_type", "message", "traceback"}` and exits)
 and serves `{"op": "invoke", "event", "request_id"}` messages one at a time until `{"op": "stop"}`
-or the end of its socket (the invoker is gone).
+or the end of its socket (the invoker is gone). A batching function's instance also takes
+`{"op": "invoke_batch", "calls": [...]}`: the invocations the invoker gathered, their handlers run on
+threads (each its own context and stream) and their `infer` calls batched (`instance_batching.py`);
+it prepares the plans of every batch size such a message can reach at start. Every reply carries
+the instance's stats, its inference counts included.
 
 Handlers run exactly as in run-local (`LocalContext`: `key`, `upload`, `download`, `infer` are
 the same code) on a `stream-only` workflow (static caching pool, no eager recycling), except that
@@ -25,13 +29,16 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
+from streambox.api_proxy.batched_infer import batch_sizes, limits_of
 from streambox.api_proxy.device_tensor import DeviceTensor
 from streambox.api_proxy.executor import DeviceModel
+from streambox.api_proxy.function_spec import ProxyFunction
 from streambox.api_proxy.template import warm_up_modules
 from streambox.comm.baselines import FuncIpc
 from streambox.comm.lease import Allocator
@@ -41,9 +48,9 @@ from streambox.device import Runtime, Stream
 from streambox.kernel_compiler.plan import KernelPlan
 
 from .handlers import resolve_handler
+from .instance_batching import BatchRun, InferCounts, InstanceContext
 from .local import (
     Got,
-    LocalContext,
     LocalInvoker,
     StoreError,
     _json_copy,
@@ -279,13 +286,20 @@ class Instance:
             self.runtime = self.invoker.runtime
             self.wf = _InstanceWorkflow(self.invoker, spec, {self.function: handler}, args["data_path"])
             self.stream = self.runtime.create_stream()
+            self.limits = limits_of(ProxyFunction.of(self.function, fn))  # None: one invocation a message
+            # Every batch a message can reach is planned at start (sharing the resident weights), as
+            # the proxy prepares them at deploy.
+            sizes = [fn.batch_size, *batch_sizes(ProxyFunction.of(self.function, fn))]
             for model in fn.models:  # its own copy of its models, loaded at start
                 entry = self.wf.model_pool.entry(model)
                 shape = entry.small_input_shape if args.get("model_shapes", "small") == "small" else None
-                self.wf.model(model, fn.batch_size, tuple(shape or entry.input_shape))
+                for size in sizes:
+                    self.wf.model(model, size, tuple(shape or entry.input_shape))
         except BaseException:
             asyncio.run(self.invoker.close())
             raise
+        self.counts = InferCounts()
+        self._member_streams: list[Stream] = []  # members of a batched message after the first
         self.context_bytes = int(self.runtime.properties().extra.get("context_memory", 0))
 
     def stats(self) -> dict[str, Any]:
@@ -308,24 +322,51 @@ class Instance:
             "ipc_exported": getattr(self.wf.store, "exported", 0),
             "ipc_opened": getattr(self.wf.store, "opened", 0),
             "reported_at": time.time(),
+            **self.counts.to_json(),
         }
 
     def invoke(self, event: dict[str, Any], request_id: str) -> dict[str, Any]:
-        ctx = LocalContext(self.wf, self.function, self.stream, request_id)  # GETs: private copies
+        ctx = InstanceContext(self.wf, self.function, self.stream, request_id, self.counts)
+        return {**self._run(ctx, event), "stats": self.stats()}
+
+    def invoke_batch(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """The invocations the invoker gathered, their handlers run concurrently (threads), their
+        `infer` calls batched (`instance_batching.py`); one reply per invocation, in order."""
+        if self.limits is None:
+            raise ValueError(f"function {self.function!r} does not batch: a batch message is a mistake")
+        while len(self._member_streams) < len(calls) - 1:
+            self._member_streams.append(self.runtime.create_stream())
+        batch = BatchRun(self.wf, len(calls), self.limits, self.counts)
+        streams = [self.stream, *self._member_streams]
+
+        def member(i: int) -> dict[str, Any]:
+            request_id = calls[i]["request_id"]
+            ctx = InstanceContext(self.wf, self.function, streams[i], request_id, self.counts, batch)
+            try:
+                return self._run(ctx, calls[i]["event"])
+            finally:
+                batch.finished()
+
+        with ThreadPoolExecutor(len(calls), thread_name_prefix="streambox-member") as threads:
+            replies = list(threads.map(member, range(len(calls))))
+        return {"replies": replies, "stats": self.stats()}
+
+    def _run(self, ctx: InstanceContext, event: dict[str, Any]) -> dict[str, Any]:
+        """One handler call and its invocation's cleanup: its reply (without stats)."""
         try:
             output = self.wf.handlers[self.function](ctx, event)
             ctx.finish()
-            reply = {"ok": True, "output": _json_copy(output, f"the output of {self.function!r}")}
+            return {"ok": True, "output": _json_copy(output, f"the output of {self.function!r}")}
         except Exception as error:
             reply = {"ok": False, **_error(error)}
             with contextlib.suppress(Exception):
                 ctx.finish()  # the handler's error is the one to report
-        reply["stats"] = self.stats()
-        return reply
+            return reply
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.stream.destroy()
+        for stream in [self.stream, *self._member_streams]:
+            with contextlib.suppress(Exception):
+                stream.destroy()
         with contextlib.suppress(Exception):
             self.wf.close()
         asyncio.run(self.invoker.close())
@@ -363,9 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sock.sendall(encode_message({"ok": True, "pid": os.getpid(), "stats": instance.stats()}))
         while (message := _receive(sock, incoming, instance.idle)) is not None:
-            if message.get("op") != "invoke":
+            if message.get("op") == "invoke":
+                reply = instance.invoke(message["event"], message["request_id"])
+            elif message.get("op") == "invoke_batch":
+                reply = instance.invoke_batch(message["calls"])
+            else:
                 break  # "stop"
-            sock.sendall(encode_message(instance.invoke(message["event"], message["request_id"])))
+            sock.sendall(encode_message(reply))
     except (BrokenPipeError, ConnectionResetError):
         pass  # the invoker is gone
     finally:
