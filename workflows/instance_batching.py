@@ -167,24 +167,32 @@ class BatchRun:
             if call.ready is not None:
                 stream.wait_event(call.ready)
         first = calls[0].tensor
-        gathered = self._alloc(first.dtype, (total, *first.shape[1:]), stream)
-        offset = 0
-        for call in calls:
-            source = call.tensor
-            wf.runtime.copy_dtod_async(gathered.address + offset, source.address, source.nbytes, stream)
-            offset += source.nbytes
-        run = wf.executor.run(resident, {plan.inputs[0]: gathered}, stream)
-        outputs = [run.outputs[name] for name in plan.outputs]
+        spent: list[DeviceTensor] = []  # freed whatever happens (the instance's pool is static)
         per_call: list[list[DeviceTensor]] = [[] for _ in calls]
-        for out in outputs:
+        try:
+            gathered = self._alloc(first.dtype, (total, *first.shape[1:]), stream)
+            spent.append(gathered)
             offset = 0
-            for mine, call in zip(per_call, calls, strict=True):
-                rows = self._alloc(out.dtype, (call.samples, *out.shape[1:]), stream)
-                wf.runtime.copy_dtod_async(rows.address, out.address + offset, rows.nbytes, stream)
-                offset += rows.nbytes
-                mine.append(rows)
-        for spent in (gathered, *outputs):  # stream-ordered: after the copies above
-            wf.allocator.free(spent.address, stream)
+            for call in calls:
+                source = call.tensor
+                wf.runtime.copy_dtod_async(gathered.address + offset, source.address, source.nbytes, stream)
+                offset += source.nbytes
+            run = wf.executor.run(resident, {plan.inputs[0]: gathered}, stream)
+            outputs = [run.outputs[name] for name in plan.outputs]
+            spent.extend(outputs)
+            for out in outputs:
+                offset = 0
+                for mine, call in zip(per_call, calls, strict=True):
+                    rows = self._alloc(out.dtype, (call.samples, *out.shape[1:]), stream)
+                    mine.append(rows)
+                    wf.runtime.copy_dtod_async(rows.address, out.address + offset, rows.nbytes, stream)
+                    offset += rows.nbytes
+        except BaseException:  # nobody gets rows: free the members' too
+            spent.extend(rows for mine in per_call for rows in mine)
+            raise
+        finally:
+            for tensor in spent:  # stream-ordered: after the copies above
+                wf.allocator.free(tensor.address, stream)
         return per_call, ready_event(wf.runtime, stream)
 
     def _alloc(self, dtype: Any, shape: tuple[int, ...], stream: Stream) -> DeviceTensor:

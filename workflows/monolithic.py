@@ -365,6 +365,8 @@ class MonolithicInvoker:
         """The invocation waits in its function's batch (`batch_queue.py`), which goes to one
         instance as one message (`_send_batch`)."""
         assert fn.limits is not None
+        if self._closed:  # `close` already failed the queued ones: this one would wait for ever
+            raise InvocationError(fn.name, "InvokerClosed", "the invoker closed")
         self._batches.add((wf.spec.name, fn.name), pending, fn.samples, fn.limits)
         try:  # cancelled or timed out while still queued: its batch leaves it out
             delivered = await asyncio.wait_for(pending.reply, _left(pending.deadline))
@@ -379,7 +381,13 @@ class MonolithicInvoker:
 
     def _dispatch(self, kind: Hashable, members: list[Pending]) -> None:
         workflow, function = kind  # type: ignore[misc]
-        wf = self._workflows[workflow]
+        wf = self._workflows.get(workflow)
+        if wf is None or self._closed:  # closed meanwhile: fail the members, never leave them waiting
+            for member in members:
+                if member.waiting:
+                    closed = InvocationError(function, "InvokerClosed", "the invoker closed")
+                    member.reply.set_exception(closed)
+            return
         self._spawn(self._send_batch(wf, wf.functions[function], members))
 
     async def _send_batch(self, wf: _Workflow, fn: _Function, members: list[Pending]) -> None:
