@@ -7,7 +7,7 @@ table can be traced to, and checked against, the raw output it came from (`check
 
 Source keys: in a JSON file, a dotted path ("latency_ms.p50", "results.pressure.0.get_s"); in a CSV
 file, "count:COLUMN=VALUE,..." (rows matching every pair) or "mean:COLUMN" / "mean:COLUMN|FILTER..."
-(the column's mean over matching rows).
+(the column's mean over matching rows; "median:" likewise).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -88,11 +89,13 @@ def _csv_value(path: Path, key: str, where: str) -> float:
     op, _, rest = key.partition(":")
     if op == "count":
         return float(sum(_matches(r, rest) for r in rows))
-    if op == "mean":
+    if op in ("mean", "median"):
         column, _, filters = rest.partition("|")
         values = [float(r[column]) for r in rows if _matches(r, filters) and r.get(column, "") != ""]
-        return sum(values) / len(values) if values else math.nan
-    raise TableError(f"{where}: CSV key {key!r} is not count:... or mean:...")
+        if not values:
+            return math.nan
+        return statistics.fmean(values) if op == "mean" else statistics.median(values)
+    raise TableError(f"{where}: CSV key {key!r} is not count:..., mean:... or median:...")
 
 
 def read_source(root: Path, source: Source) -> float:
