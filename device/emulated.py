@@ -517,10 +517,10 @@ class EmulatedRuntime(Runtime):
                 placed = self._placed  # sorted by end: what ends before `ready` cannot matter
                 del placed[: bisect.bisect_right(placed, now, key=_end)]
                 own = placed[bisect.bisect_right(placed, ready, key=_end) :]
-                with self._ledger.transaction():
-                    blocked = self._ledger.blocking_intervals(self._slot, mps, ready)
-                    start, end, units = place_kernel(ready, duration, full, want, self.units, own, blocked)
-                    self._ledger.add_busy(self._slot, mps, start, end, now)
+                start, end, units = self._ledger.place_busy(
+                    self._slot, mps, ready, now,
+                    lambda blocked: place_kernel(ready, duration, full, want, self.units, own, blocked),
+                )
                 bisect.insort(placed, (start, end, units), key=_end)
                 self._timed_kernels += 1
                 self._fallback_kernels += duration_s is None
