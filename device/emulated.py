@@ -232,7 +232,9 @@ class EmulatedRuntime(Runtime):
         self._stream_ids = itertools.count()
         self._compute = ComputeUnits(self.units)
         self._timeline_on = timeline
-        self._timeline: deque[TimelineRecord] = deque(maxlen=timeline_limit)
+        # Records, or for timed kernels their fields as a plain tuple (built into records on read:
+        # a frozen dataclass costs about a microsecond to make, once per kernel).
+        self._timeline: deque[TimelineRecord | tuple] = deque(maxlen=timeline_limit)
         self._h2d = CopyEngine("h2d", f"streambox-emu-{self.name_tag}-h2d", self._record, ledger.link("h2d"))
         self._d2h = CopyEngine("d2h", f"streambox-emu-{self.name_tag}-d2h", self._record, ledger.link("d2h"))
         self._peer = CopyEngine("peer", f"streambox-emu-{self.name_tag}-peer", self._record)
@@ -526,7 +528,8 @@ class EmulatedRuntime(Runtime):
                 self._fallback_kernels += duration_s is None
                 self._kernel_seconds += end - start
             self._compute.account(units, name, end - start)
-            self._record(TimelineRecord(s.lane, "kernel", name, start, end, 0, units))
+            if self._timeline_on:
+                self._timeline.append((s.lane, "kernel", name, start, end, 0, units))
             return end
 
         s.enqueue(place, inline=True)
@@ -579,7 +582,7 @@ class EmulatedRuntime(Runtime):
 
     # -- introspection ----------------------------------------------------------------------
     def timeline(self) -> list[TimelineRecord]:
-        return list(self._timeline)
+        return [TimelineRecord(*r) if type(r) is tuple else r for r in list(self._timeline)]
 
     def set_timeline(self, enabled: bool) -> None:
         self._timeline_on = enabled
