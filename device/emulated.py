@@ -55,6 +55,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -517,12 +518,11 @@ class EmulatedRuntime(Runtime):
             now = time.perf_counter()
             with self._place_lock:
                 placed = self._placed  # sorted by end: what ends before `ready` cannot matter
-                del placed[: bisect.bisect_right(placed, now, key=_end)]
-                own = placed[bisect.bisect_right(placed, ready, key=_end) :]
-                start, end, units = self._ledger.place_busy(
-                    self._slot, mps, ready, now,
-                    lambda blocked: place_kernel(ready, duration, full, want, self.units, own, blocked),
-                )
+                if placed and placed[0][1] <= now:
+                    del placed[: bisect.bisect_right(placed, now, key=_end)]
+                own = placed[bisect.bisect_right(placed, ready, key=_end) :] if placed else ()
+                fit = partial(place_kernel, ready, duration, full, want, self.units, own)
+                start, end, units = self._ledger.place_busy(self._slot, mps, ready, now, fit)
                 bisect.insort(placed, (start, end, units), key=_end)
                 self._timed_kernels += 1
                 self._fallback_kernels += duration_s is None
