@@ -41,7 +41,7 @@ from functools import partial
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.cost_model import launch_durations
 from streambox.kernel_compiler.plan import Kernel
-from streambox.memory_pool.access_schedule import AccessSchedule
+from streambox.memory_pool.access_schedule import AccessSchedule, KernelStep
 from streambox.memory_pool.mapping_table import HeldBuffer, MappingEntry, MappingTable, RecycledAccess
 from streambox.memory_pool.modes import PoolMode
 from streambox.memory_pool.scaler import PositionBoard
@@ -92,7 +92,9 @@ class _Instance:
     """A function instance's mapping table, the stream its buffers are freed on, and its kernels'
     bound calls."""
 
-    __slots__ = ("table", "lock", "stream", "program", "ephemeral", "rows", "first", "last", "calls", "reset")
+    __slots__ = (
+        "table", "lock", "stream", "program", "ephemeral", "rows", "steps", "first", "last", "calls", "reset"
+    )
 
     def __init__(self, eager_recycling: bool, ephemeral: bool) -> None:
         self.table = MappingTable(eager_recycling=eager_recycling)
@@ -102,8 +104,9 @@ class _Instance:
         self.ephemeral = ephemeral
         # Per kernel of `program`: the table rows it touches, looked up once per registration.
         self.rows: list[tuple[MappingEntry, ...]] = []
-        # Per kernel, the rows its access schedule allocates before it and recycles after it (empty
-        # when the plan runs through the table's counting path).
+        # Per kernel, its access schedule's step and the rows it allocates before the kernel and
+        # recycles after it (None and empty when the plan runs through the table's counting path).
+        self.steps: tuple[KernelStep, ...] | None = None
         self.first: list[tuple[MappingEntry, ...]] = []
         self.last: list[tuple[MappingEntry, ...]] = []
         # The calls bound by this instance's runs (the stream's worker binds and calls them).
@@ -217,9 +220,9 @@ class PlanExecutor:
                 rows = state.table.rows(instance, program.key, [name for name, _, _ in program.managed])
                 state.rows = [tuple(rows[r] for r in k.rows) for k in program.kernels]
                 schedule = self._schedule(program)
-                steps = schedule.steps if schedule is not None else ()
-                state.first = [tuple(rows[r] for r in step.first) for step in steps]
-                state.last = [tuple(rows[r] for r in step.last) for step in steps]
+                state.steps = schedule.steps if schedule is not None else None
+                state.first = [tuple(rows[r] for r in step.first) for step in state.steps or ()]
+                state.last = [tuple(rows[r] for r in step.last) for step in state.steps or ()]
                 state.program = program
             else:
                 leftovers = [] if state.reset else state.table.reset_instance(instance)
@@ -315,7 +318,7 @@ class PlanExecutor:
         try:
             if profile:
                 result._events.append(self._record(stream))
-            issue = self._issue if self._schedule(program) is None else self._issue_scheduled
+            issue = self._issue if state.steps is None else self._issue_scheduled
             issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
             with state.lock:
                 result.outputs.update(self._take_outputs(instance, state, program))
@@ -405,8 +408,8 @@ class PlanExecutor:
     ) -> None:
         """The hot loop on the plan's `AccessSchedule`: one allocator call per kernel (module doc)."""
         program, table, lock, rows = model.program, state.table, state.lock, state.rows
-        first, last, registered = state.first, state.last, state.program  # as `_enter` left it
-        steps = self._schedule(program).steps  # type: ignore[union-attr]  # checked by `run`
+        steps, first, last, registered = state.steps, state.first, state.last, state.program  # from `_enter`
+        assert steps is not None  # `run` chose this path by it
         with lock:
             calls = self._calls_for(state, model)
         run_inputs = RunInputs(inputs)
