@@ -319,7 +319,14 @@ class PlanExecutor:
             if profile:
                 result._events.append(self._record(stream))
             issue = self._issue if state.steps is None else self._issue_scheduled
-            issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
+            allocations = state.table.allocations
+            if not self.lazy:
+                with state.lock:
+                    state.table.materialize(instance, partial(self.allocator.allocate, stream=stream))
+            peak = issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
+            result.stats.kernels = program.compute_kernels
+            result.stats.peak_live_bytes = peak
+            result.stats.allocations = state.table.allocations - allocations
             with state.lock:
                 result.outputs.update(self._take_outputs(instance, state, program))
                 leftovers = self._end_run(instance, state)
@@ -346,7 +353,7 @@ class PlanExecutor:
         cu_cap: int | None,
         on_kernel: Callable[[int, Kernel], None] | None,
         result: RunResult,
-    ) -> None:
+    ) -> int:
         """The hot loop: per kernel, count its accesses (the table allocates at the first and queues
         the buffer at the last), launch its call for those addresses, free what it spent. Everything
         else was decided once per plan (`PlanProgram`) or per instance (`_Instance.rows`)."""
@@ -366,10 +373,7 @@ class PlanExecutor:
             touch, live = (lambda entries, alloc, _: table.touch(entries, alloc)), (lambda: table.held_bytes)
         board, generation, name, batch = self.positions, self._generation, model.plan.model, model.plan.batch
         input_address = {n: t.address for n, t in inputs.items()}
-        profile, peak, allocations = bool(events), 0, table.allocations
-        if not self.lazy:
-            with lock:
-                table.materialize(instance, alloc)
+        profile, peak = bool(events), 0
         for k in program.kernels:
             if board is not None:
                 board.update(instance, name, batch, k.index, time.perf_counter(), table.held_bytes)
@@ -391,9 +395,7 @@ class PlanExecutor:
                         timed.append(k.index)
             if spent:
                 free_batch(spent, stream)
-        result.stats.kernels = program.compute_kernels
-        result.stats.peak_live_bytes = peak
-        result.stats.allocations = table.allocations - allocations
+        return peak
 
     def _issue_scheduled(
         self,
@@ -405,7 +407,7 @@ class PlanExecutor:
         cu_cap: int | None,
         on_kernel: Callable[[int, Kernel], None] | None,
         result: RunResult,
-    ) -> None:
+    ) -> int:
         """The hot loop on the plan's `AccessSchedule`: one allocator call per kernel (module doc)."""
         program, table, lock, rows = model.program, state.table, state.lock, state.rows
         steps, first, last, registered = state.steps, state.first, state.last, state.program  # from `_enter`
@@ -417,11 +419,7 @@ class PlanExecutor:
         free_and_allocate, launch = self._free_and_allocate, self.runtime.launch
         board, generation, name, batch = self.positions, self._generation, model.plan.model, model.plan.batch
         input_address = {n: t.address for n, t in inputs.items()}
-        profile, allocations = bool(events), table.allocations
-        if not self.lazy:
-            with lock:
-                table.materialize(instance, partial(self.allocator.allocate, stream=stream))
-        peak = table.held_bytes
+        profile, peak = bool(events), table.held_bytes
         spent: list[int] = []  # recycled by the last kernel, freed with the next kernel's allocations
         try:
             for k in program.kernels:
@@ -452,9 +450,7 @@ class PlanExecutor:
         finally:
             if spent:
                 self._free_batch(spent, stream)
-        result.stats.kernels = program.compute_kernels
-        result.stats.peak_live_bytes = peak
-        result.stats.allocations = table.allocations - allocations
+        return peak
 
     @staticmethod
     def _take_outputs(instance: Hashable, state: _Instance, program: PlanProgram) -> dict[str, DeviceTensor]:
