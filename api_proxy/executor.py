@@ -41,7 +41,7 @@ from functools import partial
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.cost_model import launch_durations
 from streambox.kernel_compiler.plan import Kernel
-from streambox.memory_pool.access_schedule import AccessSchedule
+from streambox.memory_pool.access_schedule import AccessSchedule, KernelStep
 from streambox.memory_pool.mapping_table import HeldBuffer, MappingEntry, MappingTable, RecycledAccess
 from streambox.memory_pool.modes import PoolMode
 from streambox.memory_pool.scaler import PositionBoard
@@ -92,7 +92,9 @@ class _Instance:
     """A function instance's mapping table, the stream its buffers are freed on, and its kernels'
     bound calls."""
 
-    __slots__ = ("table", "lock", "stream", "program", "ephemeral", "rows", "first", "last", "calls", "reset")
+    __slots__ = (
+        "table", "lock", "stream", "program", "ephemeral", "rows", "steps", "first", "last", "calls", "reset"
+    )
 
     def __init__(self, eager_recycling: bool, ephemeral: bool) -> None:
         self.table = MappingTable(eager_recycling=eager_recycling)
@@ -102,8 +104,9 @@ class _Instance:
         self.ephemeral = ephemeral
         # Per kernel of `program`: the table rows it touches, looked up once per registration.
         self.rows: list[tuple[MappingEntry, ...]] = []
-        # Per kernel, the rows its access schedule allocates before it and recycles after it (empty
-        # when the plan runs through the table's counting path).
+        # Per kernel, its access schedule's step and the rows it allocates before the kernel and
+        # recycles after it (None and empty when the plan runs through the table's counting path).
+        self.steps: tuple[KernelStep, ...] | None = None
         self.first: list[tuple[MappingEntry, ...]] = []
         self.last: list[tuple[MappingEntry, ...]] = []
         # The calls bound by this instance's runs (the stream's worker binds and calls them).
@@ -217,9 +220,9 @@ class PlanExecutor:
                 rows = state.table.rows(instance, program.key, [name for name, _, _ in program.managed])
                 state.rows = [tuple(rows[r] for r in k.rows) for k in program.kernels]
                 schedule = self._schedule(program)
-                steps = schedule.steps if schedule is not None else ()
-                state.first = [tuple(rows[r] for r in step.first) for step in steps]
-                state.last = [tuple(rows[r] for r in step.last) for step in steps]
+                state.steps = schedule.steps if schedule is not None else None
+                state.first = [tuple(rows[r] for r in step.first) for step in state.steps or ()]
+                state.last = [tuple(rows[r] for r in step.last) for step in state.steps or ()]
                 state.program = program
             else:
                 leftovers = [] if state.reset else state.table.reset_instance(instance)
@@ -315,8 +318,15 @@ class PlanExecutor:
         try:
             if profile:
                 result._events.append(self._record(stream))
-            issue = self._issue if self._schedule(program) is None else self._issue_scheduled
-            issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
+            issue = self._issue if state.steps is None else self._issue_scheduled
+            allocations = state.table.allocations
+            if not self.lazy:
+                with state.lock:
+                    state.table.materialize(instance, partial(self.allocator.allocate, stream=stream))
+            peak = issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
+            result.stats.kernels = program.compute_kernels
+            result.stats.peak_live_bytes = peak
+            result.stats.allocations = state.table.allocations - allocations
             with state.lock:
                 result.outputs.update(self._take_outputs(instance, state, program))
                 leftovers = self._end_run(instance, state)
@@ -343,7 +353,7 @@ class PlanExecutor:
         cu_cap: int | None,
         on_kernel: Callable[[int, Kernel], None] | None,
         result: RunResult,
-    ) -> None:
+    ) -> int:
         """The hot loop: per kernel, count its accesses (the table allocates at the first and queues
         the buffer at the last), launch its call for those addresses, free what it spent. Everything
         else was decided once per plan (`PlanProgram`) or per instance (`_Instance.rows`)."""
@@ -363,10 +373,7 @@ class PlanExecutor:
             touch, live = (lambda entries, alloc, _: table.touch(entries, alloc)), (lambda: table.held_bytes)
         board, generation, name, batch = self.positions, self._generation, model.plan.model, model.plan.batch
         input_address = {n: t.address for n, t in inputs.items()}
-        profile, peak, allocations = bool(events), 0, table.allocations
-        if not self.lazy:
-            with lock:
-                table.materialize(instance, alloc)
+        profile, peak = bool(events), 0
         for k in program.kernels:
             if board is not None:
                 board.update(instance, name, batch, k.index, time.perf_counter(), table.held_bytes)
@@ -388,9 +395,7 @@ class PlanExecutor:
                         timed.append(k.index)
             if spent:
                 free_batch(spent, stream)
-        result.stats.kernels = program.compute_kernels
-        result.stats.peak_live_bytes = peak
-        result.stats.allocations = table.allocations - allocations
+        return peak
 
     def _issue_scheduled(
         self,
@@ -402,11 +407,11 @@ class PlanExecutor:
         cu_cap: int | None,
         on_kernel: Callable[[int, Kernel], None] | None,
         result: RunResult,
-    ) -> None:
+    ) -> int:
         """The hot loop on the plan's `AccessSchedule`: one allocator call per kernel (module doc)."""
         program, table, lock, rows = model.program, state.table, state.lock, state.rows
-        first, last, registered = state.first, state.last, state.program  # as `_enter` left it
-        steps = self._schedule(program).steps  # type: ignore[union-attr]  # checked by `run`
+        steps, first, last, registered = state.steps, state.first, state.last, state.program  # from `_enter`
+        assert steps is not None  # `run` chose this path by it
         with lock:
             calls = self._calls_for(state, model)
         run_inputs = RunInputs(inputs)
@@ -414,11 +419,7 @@ class PlanExecutor:
         free_and_allocate, launch = self._free_and_allocate, self.runtime.launch
         board, generation, name, batch = self.positions, self._generation, model.plan.model, model.plan.batch
         input_address = {n: t.address for n, t in inputs.items()}
-        profile, allocations = bool(events), table.allocations
-        if not self.lazy:
-            with lock:
-                table.materialize(instance, partial(self.allocator.allocate, stream=stream))
-        peak = table.held_bytes
+        profile, peak = bool(events), table.held_bytes
         spent: list[int] = []  # recycled by the last kernel, freed with the next kernel's allocations
         try:
             for k in program.kernels:
@@ -449,9 +450,7 @@ class PlanExecutor:
         finally:
             if spent:
                 self._free_batch(spent, stream)
-        result.stats.kernels = program.compute_kernels
-        result.stats.peak_live_bytes = peak
-        result.stats.allocations = table.allocations - allocations
+        return peak
 
     @staticmethod
     def _take_outputs(instance: Hashable, state: _Instance, program: PlanProgram) -> dict[str, DeviceTensor]:

@@ -53,7 +53,8 @@ class ComputeUnits:
         self._busy_cu_seconds = 0.0
         self._waiting: deque[object] = deque()
         self._kernels: dict[str, list[float]] = {}  # name -> [launches, max cus, seconds, cu_s, errors]
-        self._cond = threading.Condition()
+        self._mutex = threading.Lock()  # taken directly (C-level) by `account`, once per timed kernel
+        self._cond = threading.Condition(self._mutex)
 
     def acquire(self, units: int) -> None:
         ticket = object()
@@ -74,8 +75,9 @@ class ComputeUnits:
 
     def account(self, units: int, name: str, seconds: float) -> None:
         """Count a kernel placed in modelled time (timed mode: no admission, no waiting)."""
-        with self._cond:
-            self._peak = max(self._peak, units)
+        with self._mutex:
+            if units > self._peak:
+                self._peak = units
             self._account(units, name, seconds, False)
 
     def _account(self, units: int, name: str, seconds: float, failed: bool) -> None:

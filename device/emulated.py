@@ -49,11 +49,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -153,8 +155,7 @@ def _device_bytes(alloc: Allocation, offset: int, nbytes: int, what: str) -> tor
     return alloc.data[offset : offset + nbytes]
 
 
-def _end(placed: Placed) -> float:
-    return placed[1]
+_end = operator.itemgetter(1)  # a placed kernel's end: the key `_placed` is sorted by (C-level)
 
 
 def _process_uptime() -> float:
@@ -232,7 +233,9 @@ class EmulatedRuntime(Runtime):
         self._stream_ids = itertools.count()
         self._compute = ComputeUnits(self.units)
         self._timeline_on = timeline
-        self._timeline: deque[TimelineRecord] = deque(maxlen=timeline_limit)
+        # Records, or for timed kernels their fields as a plain tuple (built into records on read:
+        # a frozen dataclass costs about a microsecond to make, once per kernel).
+        self._timeline: deque[TimelineRecord | tuple] = deque(maxlen=timeline_limit)
         self._h2d = CopyEngine("h2d", f"streambox-emu-{self.name_tag}-h2d", self._record, ledger.link("h2d"))
         self._d2h = CopyEngine("d2h", f"streambox-emu-{self.name_tag}-d2h", self._record, ledger.link("d2h"))
         self._peer = CopyEngine("peer", f"streambox-emu-{self.name_tag}-peer", self._record)
@@ -515,18 +518,18 @@ class EmulatedRuntime(Runtime):
             now = time.perf_counter()
             with self._place_lock:
                 placed = self._placed  # sorted by end: what ends before `ready` cannot matter
-                del placed[: bisect.bisect_right(placed, now, key=_end)]
-                own = placed[bisect.bisect_right(placed, ready, key=_end) :]
-                with self._ledger.transaction():
-                    blocked = self._ledger.blocking_intervals(self._slot, mps, ready)
-                    start, end, units = place_kernel(ready, duration, full, want, self.units, own, blocked)
-                    self._ledger.add_busy(self._slot, mps, start, end, now)
+                if placed and placed[0][1] <= now:
+                    del placed[: bisect.bisect_right(placed, now, key=_end)]
+                own = placed[bisect.bisect_right(placed, ready, key=_end) :] if placed else ()
+                fit = partial(place_kernel, ready, duration, full, want, self.units, own)
+                start, end, units = self._ledger.place_busy(self._slot, mps, ready, now, fit)
                 bisect.insort(placed, (start, end, units), key=_end)
                 self._timed_kernels += 1
                 self._fallback_kernels += duration_s is None
                 self._kernel_seconds += end - start
             self._compute.account(units, name, end - start)
-            self._record(TimelineRecord(s.lane, "kernel", name, start, end, 0, units))
+            if self._timeline_on:
+                self._timeline.append((s.lane, "kernel", name, start, end, 0, units))
             return end
 
         s.enqueue(place, inline=True)
@@ -579,7 +582,7 @@ class EmulatedRuntime(Runtime):
 
     # -- introspection ----------------------------------------------------------------------
     def timeline(self) -> list[TimelineRecord]:
-        return list(self._timeline)
+        return [TimelineRecord(*r) if type(r) is tuple else r for r in list(self._timeline)]
 
     def set_timeline(self, enabled: bool) -> None:
         self._timeline_on = enabled

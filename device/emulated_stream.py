@@ -88,7 +88,7 @@ class EmulatedStream(Stream):
         self._runtime = runtime
         # One lock, two conditions: the worker waits for work (`_work`), callers wait for completions
         # (`_cond`), so an operation resolved inline does not wake the idle worker for nothing.
-        lock = threading.RLock()
+        lock = self._lock = threading.RLock()
         self._cond = threading.Condition(lock)
         self._work = threading.Condition(lock)
         self._queue: deque[_Op] = deque()
@@ -124,23 +124,26 @@ class EmulatedStream(Stream):
     ) -> int:
         """Queue `fn(ready) -> end`; `on_idle(ready)` runs at once, here, if the stream is idle. In
         timed mode an `inline` operation on an idle stream runs here, at once (`fn` must not block)."""
-        with self._cond:
+        with self._lock:
             if self._destroyed:
                 raise DeviceError(f"stream {self.id} has been destroyed")
-            self._issued += 1
+            self._issued = seq = self._issued + 1
             issued = time.perf_counter()
-            op = _Op(self._issued, issued, fn)
             if marker is not None:
-                marker.seq = op.seq
+                marker.seq = seq
             idle = not self._queue and not self._busy
-            if inline and self._timed and idle:
+            if inline and idle and self._timed:
+                cursor = self._cursor
                 try:
-                    self._cursor = max(self._cursor, fn(max(issued, self._cursor)))
+                    end = fn(issued if issued > cursor else cursor)
+                    if end > cursor:
+                        self._cursor = end
                 except BaseException as exc:
-                    self._errors.append((op.seq, exc))
-                self._completed = op.seq
-                self._cond.notify_all()
-                return op.seq
+                    self._errors.append((seq, exc))
+                # No notify: an idle stream has completed all before `seq`, so nobody waits on it.
+                self._completed = seq
+                return seq
+            op = _Op(seq, issued, fn)
             if on_idle is not None and idle:
                 on_idle(max(issued, self._cursor))
             self._queue.append(op)

@@ -80,6 +80,8 @@ def place_kernel(
         raise ValueError(f"negative kernel duration: {duration}")
     if not 1 <= want <= capacity or full < 1:
         raise ValueError(f"kernel wants {want} units of {capacity} (full occupancy {full})")
+    if not blocked and not own:  # the common case, in one step (what the search finds)
+        return ready, ready + duration * full / want, want
     start = ready
     for _ in range(_MAX_STEPS):
         start = _past_blocked(start, blocked)

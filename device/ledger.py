@@ -12,7 +12,9 @@ device under a state directory, mmap'ed and guarded by `fcntl.flock` (between pr
   share its bandwidth by processor sharing in modelled time (`link_share.py`), whichever runtime of
   whichever process issued them;
 - the compute units: busy intervals of each context's kernels (timed mode), so that kernels of other
-  contexts time-slice with them (or, under MPS, run beside them); see `gpu_schedule.py`.
+  contexts time-slice with them (or, under MPS, run beside them); see `gpu_schedule.py`. A counter
+  in the header moves with every change to them, so a process re-reads them only when one happened
+  since it last looked (placing a kernel is then one lock, a counter read and one record written).
 
 Times are `time.perf_counter()` seconds: CLOCK_MONOTONIC, the same in every process of the machine.
 
@@ -32,18 +34,22 @@ import os
 import stat
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .base import DeviceError, OutOfDeviceMemory
+from .gpu_schedule import Blocked, Placed
 from .link_share import Flow, advance, finish_times
 
 _MAGIC = b"SBXLEDG1"
-_VERSION = 3
+_VERSION = 4
 _HEADER = struct.Struct("<8sIIQ40x")  # magic, version, slot count, total memory -> 64 bytes
 _HIGH_WATER = struct.Struct("<Q")  # at offset 24: slots ever used (scans stop there)
 _HIGH_WATER_OFFSET = 24
 _BUSY_HIGH_OFFSET = 48  # a Q: busy-interval records ever used
+_BUSY_GENERATION = struct.Struct("<Q")  # at offset 32: bumped by every write to the busy records
+_BUSY_GENERATION_OFFSET = 32
 _SLOT = struct.Struct("<qqqqqq")  # pid, start time, runtime id, used bytes, streams, reserved -> 48 bytes
 _BUSY = struct.Struct("<ddqq")  # start, end, slot + 1, MPS client (1) or not (0) -> 32 bytes
 _FLOW_HEAD = struct.Struct("<dq")  # per link direction: time of the state, last flow id -> 16 bytes
@@ -156,6 +162,9 @@ class Ledger:
         self._device_lock = _DeviceLock(self)
         self._owned: dict[int, int] = {}  # slot -> runtime id, slots this process holds
         self._last_busy: dict[int, int] = {}  # slot -> index of its latest busy record (a hint)
+        # (slot, mps) -> (busy generation, intervals of other contexts that block it): re-read only
+        # when the generation moved under another writer.
+        self._blocking: dict[tuple[int, bool], tuple[int, list[tuple[float, float]]]] = {}
         ensure_state_dir(path.parent)
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -396,44 +405,61 @@ class Ledger:
         finally:
             region.release()
 
-    def blocking_intervals(self, slot: int, mps: bool, after: float) -> list[tuple[float, float]]:
-        """Busy intervals of other contexts ending after `after` that a kernel of `slot` must not
-        overlap: every other context's, or, for an MPS client, those of contexts outside MPS."""
-        with self._locked():
-            return [
-                (start, end)
-                for start, end, owner, other_mps in self._busy_rows()
-                if end > after and owner != slot + 1 and not (mps and other_mps)
-            ]
+    def place_busy(
+        self, slot: int, mps: bool, ready: float, now: float, fit: Callable[[list[Blocked]], Placed]
+    ) -> Placed:
+        """Place one kernel of `slot`'s context atomically: `fit(blocked)` gets the busy intervals of
+        other contexts ending after `ready` that the kernel must not overlap (every other context's,
+        or, for an MPS client, those of contexts outside MPS) and returns (start, end, units); the
+        interval is recorded before any other placement on this GPU can read the intervals."""
+        with self._device_lock:
+            generation = _BUSY_GENERATION.unpack_from(self._map, _BUSY_GENERATION_OFFSET)[0]
+            cached = self._blocking.get((slot, mps))
+            if cached is None or cached[0] != generation:
+                cached = (generation, self._others(slot, mps))
+            blocked = [b for b in cached[1] if b[1] > ready]
+            placed = fit(blocked)
+            if self._add_busy_locked(slot, mps, placed[0], placed[1], now):
+                # Our own record does not change what blocks us: the cache stays valid past our write.
+                self._blocking[slot, mps] = (generation + 1, cached[1])
+            else:
+                self._blocking.pop((slot, mps), None)
+            _BUSY_GENERATION.pack_into(self._map, _BUSY_GENERATION_OFFSET, generation + 1)
+            return placed
 
-    def add_busy(self, slot: int, mps: bool, start: float, end: float, now: float) -> None:
+    def _others(self, slot: int, mps: bool) -> list[tuple[float, float]]:
+        """Busy intervals of the contexts that block `slot`'s kernels. Caller holds the lock."""
+        return [
+            (start, end)
+            for start, end, owner, other_mps in self._busy_rows()
+            if owner != slot + 1 and not (mps and other_mps)
+        ]
+
+    def _add_busy_locked(self, slot: int, mps: bool, start: float, end: float, now: float) -> bool:
         """Record that `slot`'s context holds compute units over [start, end). Extends its latest
         record when the two touch (back-to-back kernels stay one record); reuses expired records,
-        its own latest first (no scan: a host slower than its device writes one record per kernel)."""
-        base = self._busy_base()
-        with self._locked():
-            hint = self._last_busy.get(slot)
-            if hint is not None:
-                s0, e0, owner, _ = _BUSY.unpack_from(self._map, base + hint * _BUSY.size)
-                if owner == slot + 1 and s0 <= start <= e0 + 1e-9:
-                    _BUSY.pack_into(self._map, base + hint * _BUSY.size, s0, max(e0, end), owner, int(mps))
-                    return
-                if owner == slot + 1 and e0 <= now:  # our own latest record has expired: reuse it
-                    _BUSY.pack_into(self._map, base + hint * _BUSY.size, start, end, owner, int(mps))
-                    return
-            rows = self._busy_rows()
-            index = next((i for i, row in enumerate(rows) if row[1] <= now), len(rows))
-            if index == BUSY_RECORDS:  # all in use: drop the one that ends first
-                index = min(range(len(rows)), key=lambda i: rows[i][1])
-            if index == len(rows):
-                _HIGH_WATER.pack_into(self._map, _BUSY_HIGH_OFFSET, index + 1)
-            _BUSY.pack_into(self._map, base + index * _BUSY.size, start, end, slot + 1, int(mps))
-            self._last_busy[slot] = index
-
-    def transaction(self) -> _DeviceLock:
-        """Hold the device lock across several calls (`blocking_intervals` then `add_busy`: one
-        atomic placement). Re-entrant."""
-        return self._locked()
+        its own latest first (no scan: a host slower than its device writes one record per kernel).
+        Returns False when it overwrote another context's record. Caller holds the lock."""
+        base = _HEADER.size + self.slots * _SLOT.size  # _busy_base(), inline: once per timed kernel
+        hint = self._last_busy.get(slot)
+        if hint is not None:
+            s0, e0, owner, _ = _BUSY.unpack_from(self._map, base + hint * _BUSY.size)
+            if owner == slot + 1 and s0 <= start <= e0 + 1e-9:
+                _BUSY.pack_into(self._map, base + hint * _BUSY.size, s0, max(e0, end), owner, int(mps))
+                return True
+            if owner == slot + 1 and e0 <= now:  # our own latest record has expired: reuse it
+                _BUSY.pack_into(self._map, base + hint * _BUSY.size, start, end, owner, int(mps))
+                return True
+        rows = self._busy_rows()
+        index = next((i for i, row in enumerate(rows) if row[1] <= now), len(rows))
+        if index == BUSY_RECORDS:  # all in use: drop the one that ends first
+            index = min(range(len(rows)), key=lambda i: rows[i][1])
+        if index == len(rows):
+            _HIGH_WATER.pack_into(self._map, _BUSY_HIGH_OFFSET, index + 1)
+        replaced = rows[index][2] if index < len(rows) else 0
+        _BUSY.pack_into(self._map, base + index * _BUSY.size, start, end, slot + 1, int(mps))
+        self._last_busy[slot] = index
+        return replaced in (0, slot + 1)
 
     def _release_all_owned(self) -> None:
         with self._locked():
@@ -444,8 +470,8 @@ class Ledger:
 
 
 class _DeviceLock:
-    """`Ledger._locked` as a plain context manager: entered two or three times per timed kernel, where
-    a generator-based one costs more than the work it guards."""
+    """`Ledger._locked` as a plain context manager: entered once per timed kernel, where a
+    generator-based one costs more than the work it guards."""
 
     __slots__ = ("_ledger",)
 

@@ -24,17 +24,15 @@ __all__ = ["AccessSchedule", "KernelStep"]
 
 @dataclass(frozen=True)
 class KernelStep:
-    """What one kernel does to the table: rows allocated before it (in touch order), rows recycled
-    after it, and their bytes."""
+    """What one kernel does to the table: rows allocated before it (in touch order) and their bytes,
+    rows recycled after it."""
 
     first: tuple[int, ...]
     sizes: tuple[int, ...]  # requested bytes of each row of `first`
     last: tuple[int, ...]
-    alloc_bytes: int
-    free_bytes: int
 
 
-_NOTHING = KernelStep((), (), (), 0, 0)
+_NOTHING = KernelStep((), (), ())
 
 
 @dataclass(frozen=True)
@@ -76,14 +74,11 @@ class AccessSchedule:
                 counts[row] += 1
                 if eager and counts[row] == want:
                     last.append(row)
-            alloc = sum(sizes[r] for r in first)
-            free = sum(sizes[r] for r in last)
-            live += alloc
+            step = _NOTHING
+            if first or last:
+                step = KernelStep(tuple(first), tuple(sizes[r] for r in first), tuple(last))
+            live += sum(step.sizes)
             peak = max(peak, live)
-            live -= free
-            steps.append(
-                KernelStep(tuple(first), tuple(sizes[r] for r in first), tuple(last), alloc, free)
-                if first or last
-                else _NOTHING
-            )
+            live -= sum(sizes[r] for r in last)
+            steps.append(step)
         return cls(tuple(steps), peak)

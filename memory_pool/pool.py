@@ -406,17 +406,12 @@ class DeviceMemoryPool:
         """`try_allocate`'s fast path for each of `sizes` in turn (a pending block of the stream, else
         the sub-allocator), appending to `got`; stops at the first that needs the slow path."""
         live, sub, demand, reuses = self._live, self._sub, self._demand, 0
-        by_size = frees.by_size if frees is not None else None
+        take = frees.take if frees is not None and frees.pending else None
         try:
             for nbytes in sizes:
                 size = _aligned(nbytes)
-                bucket = by_size.get(size) if by_size else None
-                if bucket:  # inline `_StreamFrees.take`: the common case of a lazily allocated plan
-                    address = bucket.popitem()[0]
-                    if not bucket:
-                        del by_size[size]  # type: ignore[union-attr]
-                    del frees.pending[address]  # type: ignore[union-attr]
-                    frees.pending_bytes -= size  # type: ignore[union-attr]
+                address = take(size) if take is not None else None
+                if address is not None:  # the common case of a lazily allocated plan
                     reuses += 1
                 else:
                     address = sub.allocate(size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from streambox.device.gpu_schedule import place_kernel, units_in_use
@@ -44,3 +46,16 @@ def test_bad_requests_are_refused():
         place_kernel(0.0, 1.0, full=80, want=90, capacity=80, own=[])
     with pytest.raises(ValueError, match="negative"):
         place_kernel(0.0, -1.0, full=80, want=80, capacity=80, own=[])
+
+
+def test_an_idle_gpu_is_placed_as_the_search_would_place_it():
+    """The shortcut for a context with nothing placed and nothing blocking gives what the search gives."""
+    rng = random.Random(7)
+    for _ in range(500):
+        ready, duration = rng.uniform(0, 10), rng.choice([0.0, rng.uniform(1e-6, 1e-2)])
+        capacity = rng.randint(1, 128)
+        full, want = rng.randint(1, 160), rng.randint(1, capacity)
+        past = [(-2.0, -1.0)]  # blocks nothing, but makes place_kernel search
+        assert place_kernel(ready, duration, full, want, capacity, []) == place_kernel(
+            ready, duration, full, want, capacity, [], past
+        )

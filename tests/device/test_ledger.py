@@ -176,3 +176,32 @@ def test_ledger_slots_and_liveness(tmp_path):
     ledger.release_slot(slot, 987654)
     ledger.release_slot(slot, 987654)  # idempotent
     assert ledger.usage().runtimes == 0
+
+
+def _fit_at_ready(ready: float, length: float):
+    """A placement policy for `place_busy`: start at `ready`, or after the intervals it would overlap."""
+
+    def fit(blocked):
+        start = ready
+        for b0, b1 in sorted(blocked):
+            if b0 < start + length and start < b1:
+                start = b1
+        return start, start + length, 1
+
+    return fit
+
+
+def test_a_placement_sees_what_another_process_placed_since_its_last_look(tmp_path):
+    """Each process caches the intervals that block it; another process's write must invalidate that."""
+    path = tmp_path / "gpu.ledger"
+    ours, theirs = Ledger(path, 64 * MiB), Ledger(path, 64 * MiB)  # two file descriptions: two processes
+    mine, other = 0, 1  # slots of two contexts (slots are per process: not acquired here)
+    assert ours.place_busy(mine, False, 10.0, 0.0, _fit_at_ready(10.0, 1.0)) == (10.0, 11.0, 1)
+    assert theirs.place_busy(other, False, 12.0, 0.0, _fit_at_ready(12.0, 1.0)) == (12.0, 13.0, 1)
+    # our cache was filled before their write: a kernel ready at 12 must still go after it
+    assert ours.place_busy(mine, False, 12.0, 0.0, _fit_at_ready(12.0, 1.0)) == (13.0, 14.0, 1)
+    # and theirs after our two (one record, extended), nothing of their own in the way
+    assert theirs.place_busy(other, False, 10.5, 0.0, _fit_at_ready(10.5, 0.5)) == (11.0, 11.5, 1)
+    # MPS clients do not block one another; a context outside MPS still blocks them
+    assert theirs.place_busy(other, True, 15.0, 0.0, _fit_at_ready(15.0, 1.0)) == (15.0, 16.0, 1)
+    assert ours.place_busy(mine, True, 15.0, 0.0, _fit_at_ready(15.0, 1.0)) == (15.0, 16.0, 1)
