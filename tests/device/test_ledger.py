@@ -205,3 +205,17 @@ def test_a_placement_sees_what_another_process_placed_since_its_last_look(tmp_pa
     # MPS clients do not block one another; a context outside MPS still blocks them
     assert theirs.place_busy(other, True, 15.0, 0.0, _fit_at_ready(15.0, 1.0)) == (15.0, 16.0, 1)
     assert ours.place_busy(mine, True, 15.0, 0.0, _fit_at_ready(15.0, 1.0)) == (15.0, 16.0, 1)
+
+
+def test_an_expired_record_of_another_context_that_our_write_replaced_blocks_nothing(tmp_path):
+    """Our write may reuse the row of another context's expired interval: the intervals we cached
+    before it (that one among them) must not block our next kernels."""
+    path = tmp_path / "gpu.ledger"
+    ours, theirs = Ledger(path, 64 * MiB), Ledger(path, 64 * MiB)
+    mine, other = 0, 1
+    assert theirs.place_busy(other, False, 1.0, 0.0, _fit_at_ready(1.0, 1.0)) == (1.0, 2.0, 1)
+    assert ours.place_busy(mine, False, 5.0, 0.0, _fit_at_ready(5.0, 1.0)) == (5.0, 6.0, 1)  # cache: (1, 2)
+    # at now=3 their (1, 2) has expired; our next record may take its row
+    assert ours.place_busy(mine, False, 8.0, 3.0, _fit_at_ready(8.0, 1.0)) == (8.0, 9.0, 1)
+    # their interval is gone from the ledger: a kernel ready at 1.5 starts at 1.5, not after it
+    assert ours.place_busy(mine, False, 1.5, 3.0, _fit_at_ready(1.5, 0.25)) == (1.5, 1.75, 1)
