@@ -13,7 +13,8 @@ against (INFless-like; paper section 2 and 9).
 - **Instances per function**: up to the spec's `max_instances`. A call takes the most recently used
   idle instance, else starts one (cold start), else waits for one to go idle
   (`api_proxy.keepalive.InstancePool`, the same policy the proxy uses). Idle instances stop after
-  `keep_alive_s` (scale to zero); `prewarm` instances per function start at deploy.
+  `keep_alive_s` (scale to zero); `prewarm` instances per function start at deploy (best effort: one
+  that finds the GPU's memory full is skipped, `prewarm_skipped`, and the function starts cold).
 - **Batching (INFless's)**: a function with `max_batch_size` > 1 and `max_queue_delay_ms` > 0 (the
   settings the proxy reads) has its invocations queued (`batch_queue.py`: the proxy's pure
   `Gatherer`): up to `max_batch_size` samples (each invocation brings the function's `batch_size`),
@@ -230,6 +231,7 @@ class MonolithicInvoker:
         self.start_timeout_s = start_timeout_s
         self.cold_starts = 0  # invocations that had to start their instance
         self.instance_starts = 0  # instances started, prewarmed ones included
+        self.prewarm_skipped = 0  # pre-warm instances that found no device memory at deploy
         self.redis_version: str | None = None
         self._redis_executable = redis_executable
         self._redis: RedisServer | None = None
@@ -311,7 +313,10 @@ class MonolithicInvoker:
             for result in started:
                 if isinstance(result, _Instance):
                     self._release(wf.functions[result.function], result)
-            errors = [r for r in started if isinstance(r, BaseException)]
+            # Pre-warming is best effort on a full GPU (users past its capacity, section 9.3): the
+            # function then starts its instance at its first request, as without pre-warming.
+            self.prewarm_skipped += sum(_out_of_memory(r) for r in started)
+            errors = [r for r in started if isinstance(r, BaseException) and not _out_of_memory(r)]
             if errors:
                 raise errors[0]
 
@@ -847,6 +852,11 @@ class MonolithicInvoker:
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_retrieve)
         return task
+
+
+def _out_of_memory(result: object) -> bool:
+    """Whether an instance start failed for lack of device memory."""
+    return isinstance(result, InvocationError) and result.error_type == "OutOfDeviceMemory"
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

@@ -263,3 +263,29 @@ def test_a_call_waiting_on_a_slow_start_takes_an_instance_that_goes_idle_first(t
             await invoker.close()
 
     run(scenario())
+
+
+@needs_redis
+def test_a_prewarm_that_finds_the_gpu_full_is_skipped_and_the_deploy_goes_on(tmp_path, run):
+    """Users past a GPU's capacity (the paper's section 9.3): pre-warming is best effort, the
+    function starts at its first request instead of the deploy failing."""
+    config = _config(tmp_path, device_mode="timed")  # phantom data: the hog below holds no host memory
+    hog = config.open_backend().open_runtime(0)
+    free, _ = hog.memory_info()
+    held = hog.mem_alloc(free - 64 * 2**20)  # less than one instance's context is left
+    spec = parse_spec(WORKFLOW, "mono.yaml", base_dir=tmp_path)
+
+    async def scenario() -> None:
+        invoker = MonolithicInvoker(config, prewarm=1)
+        try:
+            await invoker.deploy(spec)
+            assert invoker.prewarm_skipped == len(spec.functions) and invoker.instance_starts == 0
+            assert invoker.memory_breakdown()["instances"] == 0
+        finally:
+            await invoker.close()
+
+    try:
+        run(scenario())
+    finally:
+        hog.mem_free(held)
+        hog.close()
