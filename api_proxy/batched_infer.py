@@ -188,7 +188,7 @@ def _run_batch(
     total = sum(m.samples for m in members)
     sample_shape = tuple(members[0].inputs[0].shape[1:])
     plan = yield from res.plan_for(model, total, sample_shape)
-    _check_sliceable(model, plan, total)
+    check_sliceable(model, plan, total)
     with (yield from res.weights(plan)):
         stream = call.inst.stream
         for m in members[1:]:
@@ -228,7 +228,9 @@ def _run_batch(
     return mine
 
 
-def _check_sliceable(model: str, plan: KernelPlan, total: int) -> None:
+def check_sliceable(model: str, plan: KernelPlan, total: int) -> None:
+    """Raise unless every output of `plan` (the batch's) can be cut into its callers' rows: batch-major
+    over `total` samples, contiguous, and not a view of a weight."""
     for name in plan.outputs:
         var = plan.variables[name]
         contiguous = tuple(var.strides) == contiguous_strides(tuple(var.shape))

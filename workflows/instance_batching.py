@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from streambox.api_proxy.batched_infer import _check_sliceable, joinable
+from streambox.api_proxy.batched_infer import check_sliceable, joinable
 from streambox.api_proxy.batcher import Batch, Limits
 from streambox.api_proxy.device_tensor import DeviceTensor
 from streambox.api_proxy.handles import contiguous_strides
@@ -162,7 +162,7 @@ class BatchRun:
         total = sum(c.samples for c in calls)
         resident = wf.model(model, total, tuple(calls[0].tensor.shape[1:]))
         plan = resident.plan
-        _check_sliceable(model, plan, total)
+        check_sliceable(model, plan, total)
         for call in calls[1:]:
             if call.ready is not None:
                 stream.wait_event(call.ready)
