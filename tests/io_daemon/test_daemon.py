@@ -181,6 +181,33 @@ def test_at_most_inflight_batches_are_issued_and_layer_events_wait_for_issue(rt)
         daemon.submit("f", requests)
 
 
+def _until_idle(daemon: IODaemon, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not daemon._idle:
+        assert time.monotonic() < deadline, "the daemon thread never went idle"
+        time.sleep(0.001)
+
+
+def test_an_idle_daemon_issues_a_one_batch_submission_on_the_submitters_thread(rt):
+    """Nothing queued or in flight: the batch the daemon would form next is the submission itself, so
+    `submit` issues it before returning (no thread hand-off). A larger one is the daemon thread's."""
+    config = DaemonConfig(block_size=64 * KiB, batch_blocks=3)
+    n = 3 * 64 * KiB
+    src = torch.randint(0, 256, (2 * n,), dtype=torch.uint8)
+    dst = rt.mem_alloc(2 * n + 1)
+    with IODaemon(rt, config) as daemon:
+        _until_idle(daemon)
+        small = daemon.submit("f", [CopyRequest(dst, src, n)])
+        assert small.issued and daemon.stats.batches == 1
+        small.synchronize(timeout=10)
+        _until_idle(daemon)
+        large = daemon.submit("g", [CopyRequest(dst + n, src, n + 1, src_offset=n - 1)])  # 4 blocks
+        assert daemon.stats.batches == 1  # more than one batch: the daemon thread issues it
+        large.synchronize(timeout=10)
+    assert torch.equal(rt.view(dst, torch.uint8, (n,)), src[:n])
+    assert torch.equal(rt.view(dst + n, torch.uint8, (n + 1,)), src[n - 1 : 2 * n])
+
+
 def test_ring_slot_is_reused_only_after_its_copy_completed(rt):
     """Two slots, many blocks with distinct bytes, and a link blocked at first: staging into a slot
     whose copy has not run yet would corrupt the destination."""
