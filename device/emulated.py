@@ -81,6 +81,7 @@ from .copy_engine import CopyEngine, CopyJob, sleep_until
 from .emulated_pool import EmulatedPool
 from .emulated_stream import EmulatedEvent, EmulatedStream
 from .gpu_schedule import Placed, place_kernel
+from .host_backing import SpareBacking
 from .ledger import Ledger, _process_start_time, default_state_dir, ledger_path
 from .modes import check_device_mode, env_device_mode
 from .specs import V100_16GB, DeviceSpec, preset
@@ -227,6 +228,7 @@ class EmulatedRuntime(Runtime):
         self._fallback_kernels = 0
         self._kernel_seconds = 0.0
         self._table = AllocationTable()
+        self._spare = SpareBacking()  # functional mode: released host backing, reused (host_backing.py)
         self._pools: set[EmulatedPool] = set()
         self._streams: dict[int, EmulatedStream] = {}
         self._all_streams: list[EmulatedStream] = []  # destroyed ones too, to join at close
@@ -260,7 +262,7 @@ class EmulatedRuntime(Runtime):
         size = aligned(nbytes)
         self._ledger.reserve(self._slot, self.id, size)
         try:
-            data = None if self.timed else torch.empty(size, dtype=torch.uint8)
+            data = None if self.timed else self._spare.take(size)
         except (RuntimeError, MemoryError) as exc:
             self._ledger.release(self._slot, self.id, size)
             raise DeviceError(f"host memory backing {size} device bytes could not be allocated") from exc
@@ -272,7 +274,10 @@ class EmulatedRuntime(Runtime):
 
     def release(self, alloc: Allocation) -> None:
         """Give an allocation back to the device. Its address stays dead forever."""
+        data = alloc.data
         self._table.remove(alloc.start)
+        if data is not None and not self._closed:
+            self._spare.give(data)
         self._ledger.release(self._slot, self.id, alloc.size)
         with self._lock:
             self._allocated -= alloc.size
@@ -628,6 +633,7 @@ class EmulatedRuntime(Runtime):
             pool.destroy()
         for alloc in self._table.all():
             self.release(alloc)
+        self._spare.clear()
         self._ledger.release_slot(self._slot, self.id)
         with self._lock:
             self._streams.clear()
