@@ -12,6 +12,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+#: Timed kernels `ComputeUnits.account` keeps pending before it folds them into the statistics.
+DEFER_LIMIT = 1024
+
 
 def units_for(blocks: int, cu_cap: int | None, compute_units: int) -> int:
     """Compute units a kernel of `blocks` thread blocks occupies under an optional cap."""
@@ -53,8 +56,11 @@ class ComputeUnits:
         self._busy_cu_seconds = 0.0
         self._waiting: deque[object] = deque()
         self._kernels: dict[str, list[float]] = {}  # name -> [launches, max cus, seconds, cu_s, errors]
-        self._mutex = threading.Lock()  # taken directly (C-level) by `account`, once per timed kernel
+        self._mutex = threading.Lock()
         self._cond = threading.Condition(self._mutex)
+        # Timed kernels counted by `account`, (units, name, seconds), folded into the statistics in
+        # batches (`_fold_locked`): one C-level append per kernel instead of a lock and five updates.
+        self._deferred: deque[tuple[int, str, float]] = deque()
 
     def acquire(self, units: int) -> None:
         ticket = object()
@@ -74,11 +80,35 @@ class ComputeUnits:
             self._cond.notify_all()
 
     def account(self, units: int, name: str, seconds: float) -> None:
-        """Count a kernel placed in modelled time (timed mode: no admission, no waiting)."""
-        with self._mutex:
-            if units > self._peak:
-                self._peak = units
-            self._account(units, name, seconds, False)
+        """Count a kernel placed in modelled time (timed mode: no admission, no waiting). Deferred:
+        the statistics see it at the next `stats`, or once `DEFER_LIMIT` kernels are pending."""
+        deferred = self._deferred
+        deferred.append((units, name, seconds))  # deque.append is atomic: no lock here
+        if len(deferred) >= DEFER_LIMIT:
+            with self._mutex:
+                self._fold_locked()
+
+    def _fold_locked(self) -> None:
+        """Fold the deferred timed kernels into the statistics. Caller holds the lock."""
+        deferred, kernels = self._deferred, self._kernels
+        seconds_total, peak = self._busy_cu_seconds, self._peak
+        while deferred:
+            try:
+                units, name, seconds = deferred.popleft()
+            except IndexError:  # pragma: no cover - only this method pops, under the lock
+                break
+            if units > peak:
+                peak = units
+            seconds_total += units * seconds
+            entry = kernels.get(name)
+            if entry is None:
+                entry = kernels[name] = [0, 0, 0.0, 0.0, 0]
+            entry[0] += 1
+            if units > entry[1]:
+                entry[1] = units
+            entry[2] += seconds
+            entry[3] += units * seconds
+        self._busy_cu_seconds, self._peak = seconds_total, peak
 
     def _account(self, units: int, name: str, seconds: float, failed: bool) -> None:
         """Caller holds the lock."""
@@ -92,6 +122,7 @@ class ComputeUnits:
 
     def stats(self) -> ComputeStats:
         with self._cond:
+            self._fold_locked()
             kernels = {
                 name: KernelStats(name, int(e[0]), int(e[1]), e[2], e[3], int(e[4]))
                 for name, e in self._kernels.items()
@@ -102,6 +133,7 @@ class ComputeUnits:
 
     def reset_stats(self) -> None:
         with self._cond:
+            self._fold_locked()
             self._peak = self.capacity - self._free
             self._busy_cu_seconds = 0.0
             self._kernels.clear()

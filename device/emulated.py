@@ -55,7 +55,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -526,8 +525,9 @@ class EmulatedRuntime(Runtime):
                 if placed and placed[0][1] <= now:
                     del placed[: bisect.bisect_right(placed, now, key=_end)]
                 own = placed[bisect.bisect_right(placed, ready, key=_end) :] if placed else ()
-                fit = partial(place_kernel, ready, duration, full, want, self.units, own)
-                start, end, units = self._ledger.place_busy(self._slot, mps, ready, now, fit)
+                start, end, units = self._ledger.place_busy(
+                    self._slot, mps, ready, now, place_kernel, ready, duration, full, want, self.units, own
+                )
                 bisect.insort(placed, (start, end, units), key=_end)
                 self._timed_kernels += 1
                 self._fallback_kernels += duration_s is None

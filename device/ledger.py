@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .base import DeviceError, OutOfDeviceMemory
-from .gpu_schedule import Blocked, Placed
+from .gpu_schedule import Placed
 from .link_share import Flow, advance, finish_times
 
 _MAGIC = b"SBXLEDG1"
@@ -406,19 +406,26 @@ class Ledger:
             region.release()
 
     def place_busy(
-        self, slot: int, mps: bool, ready: float, now: float, fit: Callable[[list[Blocked]], Placed]
+        self,
+        slot: int,
+        mps: bool,
+        ready: float,
+        now: float,
+        fit: Callable[..., Placed],
+        *fit_args: object,
     ) -> Placed:
-        """Place one kernel of `slot`'s context atomically: `fit(blocked)` gets the busy intervals of
-        other contexts ending after `ready` that the kernel must not overlap (every other context's,
-        or, for an MPS client, those of contexts outside MPS) and returns (start, end, units); the
-        interval is recorded before any other placement on this GPU can read the intervals."""
+        """Place one kernel of `slot`'s context atomically: `fit(*fit_args, blocked)` gets the busy
+        intervals of other contexts ending after `ready` that the kernel must not overlap (every other
+        context's, or, for an MPS client, those of contexts outside MPS) and returns (start, end,
+        units); the interval is recorded before any other placement on this GPU can read the
+        intervals. `fit_args` spare the caller a closure per kernel."""
         with self._device_lock:
             generation = _BUSY_GENERATION.unpack_from(self._map, _BUSY_GENERATION_OFFSET)[0]
             cached = self._blocking.get((slot, mps))
             if cached is None or cached[0] != generation:
                 cached = (generation, self._others(slot, mps))
-            blocked = [b for b in cached[1] if b[1] > ready]
-            placed = fit(blocked)
+            blocked = [b for b in cached[1] if b[1] > ready] if cached[1] else cached[1]
+            placed = fit(*fit_args, blocked)
             if self._add_busy_locked(slot, mps, placed[0], placed[1], now):
                 # Our own record does not change what blocks us: the cache stays valid past our write.
                 self._blocking[slot, mps] = (generation + 1, cached[1])
