@@ -429,11 +429,12 @@ class PlanExecutor:
                 if on_kernel is not None:
                     on_kernel(i, k.kernel)
                 with lock:  # against `release_instance` from another thread
-                    _check_registered(state, registered, instance)
+                    if state.program is not registered:
+                        _check_registered(state, registered, instance)  # raises
                     if step.first or spent:
                         freeing, spent = spent, []
-                        table.place(first[i], free_and_allocate(freeing, step.sizes, stream))
-                        peak = max(peak, table.held_bytes)
+                        got = free_and_allocate(freeing, step.sizes, stream)
+                        peak = max(peak, table.place(first[i], got))
                     if k.compute:
                         addresses = [entry.address for entry in rows[i]]
                         if k.inputs:

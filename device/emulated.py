@@ -479,9 +479,14 @@ class EmulatedRuntime(Runtime):
         name: str = "kernel",
         duration_s: float | None = None,
     ) -> None:
-        self._check_open()
-        s = self.own_stream(stream)
-        units = units_for(blocks, cu_cap, self.units)
+        # `_check_open`, `own_stream` and `units_for` inlined on the common path (once per kernel)
+        if self._closed:
+            self._check_open()
+        s = stream if type(stream) is EmulatedStream and stream._runtime is self else self.own_stream(stream)
+        if cu_cap is None and blocks >= 1:
+            units = blocks if blocks < self.units else self.units
+        else:
+            units = units_for(blocks, cu_cap, self.units)
         if self.timed:
             self._launch_timed(s, blocks, units, name, duration_s)
             return

@@ -196,9 +196,10 @@ class MappingTable:
         return addresses
 
     # -- the executor's scheduled path (an `AccessSchedule` decided the moments once per plan) ----
-    def place(self, entries: Sequence[MappingEntry], addresses: Sequence[int]) -> None:
-        """Rows allocated at their first access, their addresses given (the schedule's `first`).
-        Access counts are implied by the schedule and not kept per row on this path."""
+    def place(self, entries: Sequence[MappingEntry], addresses: Sequence[int]) -> int:
+        """Rows allocated at their first access, their addresses given (the schedule's `first`);
+        returns the bytes held now. Access counts are implied by the schedule and not kept per row on
+        this path."""
         held = self._held_bytes
         for entry, address in zip(entries, addresses, strict=True):
             entry.address = address
@@ -207,6 +208,7 @@ class MappingTable:
         self._held_bytes = held
         if held > self._peak_held_bytes:
             self._peak_held_bytes = held
+        return held
 
     def retire(self, entries: Sequence[MappingEntry], spent: list[int]) -> None:
         """Rows whose last expected access was just issued (the schedule's `last`): recycled, their

@@ -136,6 +136,23 @@ class PoolMetrics:
         self._series.append(Sample(now - self._start, r, a, d))
         self._last_sample = now
 
+    def record_batch(
+        self, now: float, reserved: int, allocated: int, demand: int, seconds: float, frees: int, allocs: int
+    ) -> None:
+        """`update(now, reserved, allocated, demand)`, then `frees` frees and `allocs` allocations that
+        took `seconds` each, in one call (the pool's per-kernel `free_and_allocate`)."""
+        self.update(now, reserved, allocated, demand)
+        if frees:
+            if frees == 1:
+                self._free_s.append(seconds)
+            else:
+                self._free_s.extend(itertools.repeat(seconds, frees))
+        if allocs:
+            if allocs == 1:
+                self._alloc_s.append(seconds)
+            else:
+                self._alloc_s.extend(itertools.repeat(seconds, allocs))
+
     def record_alloc(self, seconds: float, count: int = 1) -> None:
         """`count` allocations that took `seconds` each (a batch, amortised)."""
         if count == 1:

@@ -360,6 +360,8 @@ class DeviceMemoryPool:
         A size the fast path cannot place goes through `allocate` (default: this pool's), e.g. an
         owner's that reclaims."""
         got = self.free_and_try_allocate(addresses, sizes, stream)
+        if len(got) == len(sizes):  # the fast path placed them all (the common case)
+            return got
         allocate = allocate or self.allocate
         try:
             for nbytes in sizes[len(got) :]:
@@ -391,13 +393,9 @@ class DeviceMemoryPool:
             metrics = self.metrics
             if metrics is not None and (freed or got):
                 now = time.perf_counter()
-                sub = self._sub
-                metrics.update(now, sub._reserved, sub._allocated, self._demand)
-                each = (now - started) / (freed + len(got))  # one call's time, amortised
-                if freed:
-                    metrics.record_free(each, freed)
-                if got:
-                    metrics.record_alloc(each, len(got))
+                sub, allocs = self._sub, len(got)
+                each = (now - started) / (freed + allocs)  # one call's time, amortised
+                metrics.record_batch(now, sub._reserved, sub._allocated, self._demand, each, freed, allocs)
             if freed:
                 self._bound_if_ahead(frees)
         return got
