@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from streambox.device import Runtime, Stream
@@ -71,6 +72,11 @@ class ReclaimingAllocator:
     def __init__(self, pool: DeviceMemoryPool, reclaimers: Iterable[Reclaimer] = ()) -> None:
         self.pool = pool
         self.reclaimers: list[Reclaimer] = list(reclaimers)
+        # The executor's per-kernel call: the pool's `free_and_allocate`, reclaiming as `allocate`
+        # does for a size the fast path cannot place; bound once (a partial adds no Python frame).
+        self.free_and_allocate: Callable[[Sequence[int], Sequence[int], Stream], list[int]] = partial(
+            pool.free_and_allocate, allocate=self.allocate
+        )
 
     def allocate(self, nbytes: int, stream: Stream) -> int:
         got = self.pool.try_allocate(nbytes, stream)
@@ -85,11 +91,6 @@ class ReclaimingAllocator:
 
     def free_many(self, addresses: Iterable[int], stream: Stream | None) -> None:
         self.pool.free_many(addresses, stream)
-
-    def free_and_allocate(self, addresses: Sequence[int], sizes: Sequence[int], stream: Stream) -> list[int]:
-        """The pool's `free_and_allocate` (one call per kernel on its fast path), reclaiming as
-        `allocate` does for a size the fast path cannot place."""
-        return self.pool.free_and_allocate(addresses, sizes, stream, self.allocate)
 
     def fence(self, stream: Stream, event: Any = None) -> None:
         self.pool.fence(stream, event)

@@ -418,8 +418,16 @@ class Ledger:
         intervals of other contexts ending after `ready` that the kernel must not overlap (every other
         context's, or, for an MPS client, those of contexts outside MPS) and returns (start, end,
         units); the interval is recorded before any other placement on this GPU can read the
-        intervals. `fit_args` spare the caller a closure per kernel."""
-        with self._device_lock:
+        intervals. `fit_args` spare the caller a closure per kernel.
+
+        The device lock is taken as `_DeviceLock` takes it, inline (once per timed kernel)."""
+        lock, filed = self._lock, False
+        lock.acquire()
+        self._depth += 1
+        try:
+            if self._depth == 1:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+                filed = True
             generation = _BUSY_GENERATION.unpack_from(self._map, _BUSY_GENERATION_OFFSET)[0]
             cached = self._blocking.get((slot, mps))
             if cached is None or cached[0] != generation:
@@ -433,6 +441,13 @@ class Ledger:
                 self._blocking.pop((slot, mps), None)
             _BUSY_GENERATION.pack_into(self._map, _BUSY_GENERATION_OFFSET, generation + 1)
             return placed
+        finally:
+            self._depth -= 1
+            try:
+                if filed:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                lock.release()
 
     def _others(self, slot: int, mps: bool) -> list[tuple[float, float]]:
         """Busy intervals of the contexts that block `slot`'s kernels. Caller holds the lock."""

@@ -353,30 +353,15 @@ class DeviceMemoryPool:
         sizes: Sequence[int],
         stream: Stream,
         allocate: Callable[[int, Stream], int] | None = None,
+        *,
+        fast_only: bool = False,
     ) -> list[int]:
         """`free_many(addresses, stream)`, then an `allocate` on `stream` of each of `sizes`, in one
         call: the executor's per-kernel call (the blocks the previous kernel spent, the ones the next
         kernel touches first). The frees come first, so the allocations may reuse them at once.
-        A size the fast path cannot place goes through `allocate` (default: this pool's), e.g. an
-        owner's that reclaims."""
-        got = self.free_and_try_allocate(addresses, sizes, stream)
-        if len(got) == len(sizes):  # the fast path placed them all (the common case)
-            return got
-        allocate = allocate or self.allocate
-        try:
-            for nbytes in sizes[len(got) :]:
-                got.append(allocate(nbytes, stream))
-        except BaseException:  # nothing used them yet: hand them back, stream-ordered
-            self.free_many(got, stream)
-            raise
-        return got
-
-    def free_and_try_allocate(
-        self, addresses: Sequence[int], sizes: Sequence[int], stream: Stream
-    ) -> list[int]:
-        """`free_and_allocate` on the fast path only, under one acquisition of the lock: stops at the
-        first size no pending or free block fits and returns the addresses so far (the caller
-        allocates the rest, e.g. with `try_allocate`, which grows, waits or asks for a reclaim)."""
+        The fast path runs under one acquisition of the lock; a size it cannot place goes through
+        `allocate` (default: this pool's), e.g. an owner's that reclaims, unless `fast_only`
+        (`free_and_try_allocate`)."""
         started = time.perf_counter()
         got: list[int] = []
         with self._lock:
@@ -398,7 +383,24 @@ class DeviceMemoryPool:
                 metrics.record_batch(now, sub._reserved, sub._allocated, self._demand, each, freed, allocs)
             if freed:
                 self._bound_if_ahead(frees)
+        if len(got) == len(sizes) or fast_only:  # the fast path placed them all (the common case)
+            return got
+        allocate = allocate or self.allocate
+        try:
+            for nbytes in sizes[len(got) :]:
+                got.append(allocate(nbytes, stream))
+        except BaseException:  # nothing used them yet: hand them back, stream-ordered
+            self.free_many(got, stream)
+            raise
         return got
+
+    def free_and_try_allocate(
+        self, addresses: Sequence[int], sizes: Sequence[int], stream: Stream
+    ) -> list[int]:
+        """`free_and_allocate` on the fast path only, under one acquisition of the lock: stops at the
+        first size no pending or free block fits and returns the addresses so far (the caller
+        allocates the rest, e.g. with `try_allocate`, which grows, waits or asks for a reclaim)."""
+        return self.free_and_allocate(addresses, sizes, stream, fast_only=True)
 
     def _allocate_fast_locked(self, sizes: Sequence[int], frees: _StreamFrees | None, got: list[int]) -> None:
         """`try_allocate`'s fast path for each of `sizes` in turn (a pending block of the stream, else
