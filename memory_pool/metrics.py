@@ -116,18 +116,6 @@ class PoolMetrics:
 
     def update(self, now: float, reserved: int, allocated: int, demand: int) -> None:
         """The values changed at `now` (monotonic, on the metrics' clock)."""
-        self.record_batch(now, reserved, allocated, demand, 0.0, 0, 0)
-
-    def _append(self, now: float) -> None:
-        r, a, d = self._values
-        self._series.append(Sample(now - self._start, r, a, d))
-        self._last_sample = now
-
-    def record_batch(
-        self, now: float, reserved: int, allocated: int, demand: int, seconds: float, frees: int, allocs: int
-    ) -> None:
-        """`update(now, reserved, allocated, demand)`, then `frees` frees and `allocs` allocations that
-        took `seconds` each, in one call (the pool's per-kernel `free_and_allocate`)."""
         dt = now - self._last
         if dt > 0:
             r, a, d = self._values
@@ -142,6 +130,18 @@ class PoolMetrics:
             self._peaks = [max(p, v) for p, v in zip(peaks, values, strict=True)]
         if now - self._last_sample >= self.series_interval_s:
             self._append(now)
+
+    def _append(self, now: float) -> None:
+        r, a, d = self._values
+        self._series.append(Sample(now - self._start, r, a, d))
+        self._last_sample = now
+
+    def record_batch(
+        self, now: float, reserved: int, allocated: int, demand: int, seconds: float, frees: int, allocs: int
+    ) -> None:
+        """`update(now, reserved, allocated, demand)`, then `frees` frees and `allocs` allocations that
+        took `seconds` each, in one call (the pool's per-kernel `free_and_allocate`)."""
+        self.update(now, reserved, allocated, demand)
         if frees:
             if frees == 1:
                 self._free_s.append(seconds)
