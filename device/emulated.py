@@ -79,7 +79,7 @@ from .compute import ComputeStats, ComputeUnits, units_for
 from .copy_engine import CopyEngine, CopyJob, sleep_until
 from .emulated_pool import EmulatedPool
 from .emulated_stream import EmulatedEvent, EmulatedStream
-from .gpu_schedule import Placed, place_kernel
+from .gpu_schedule import NEAR_KERNELS, Placed, place_kernel, place_kernel_near
 from .host_backing import SpareBacking
 from .ledger import Ledger, _process_start_time, default_state_dir, ledger_path
 from .modes import check_device_mode, env_device_mode
@@ -222,6 +222,7 @@ class EmulatedRuntime(Runtime):
         self._closed = False
         self._allocated = overhead
         self._placed: list[Placed] = []  # timed mode: this context's kernels not yet ended
+        self._longest = 0.0  # timed mode: the longest kernel placed so far (`place_kernel_near`)
         self._place_lock = threading.Lock()
         self._timed_kernels = 0
         self._fallback_kernels = 0
@@ -530,10 +531,19 @@ class EmulatedRuntime(Runtime):
                 if placed and placed[0][1] <= now:
                     del placed[: bisect.bisect_right(placed, now, key=_end)]
                 own = placed[bisect.bisect_right(placed, ready, key=_end) :] if placed else ()
-                start, end, units = self._ledger.place_busy(
-                    self._slot, mps, ready, now, place_kernel, ready, duration, full, want, self.units, own
-                )
+                if len(own) <= NEAR_KERNELS:  # the common case: a short backlog, the search as is
+                    start, end, units = self._ledger.place_busy(
+                        self._slot, mps, ready, now, place_kernel, ready, duration, full, want, self.units,
+                        own,
+                    )
+                else:  # a long backlog (a host far ahead of the device): the near search first
+                    start, end, units = self._ledger.place_busy(
+                        *(self._slot, mps, ready, now, place_kernel_near, self._longest),
+                        *(ready, duration, full, want, self.units, own),
+                    )
                 bisect.insort(placed, (start, end, units), key=_end)
+                if end - start > self._longest:
+                    self._longest = end - start
                 self._timed_kernels += 1
                 self._fallback_kernels += duration_s is None
                 self._kernel_seconds += end - start

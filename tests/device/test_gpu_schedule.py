@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from streambox.device.gpu_schedule import place_kernel, units_in_use
+from streambox.device.gpu_schedule import NEAR_KERNELS, place_kernel, place_kernel_near, units_in_use
 
 
 def test_an_idle_gpu_starts_the_kernel_at_once_with_every_unit_it_wants():
@@ -59,3 +59,33 @@ def test_an_idle_gpu_is_placed_as_the_search_would_place_it():
         assert place_kernel(ready, duration, full, want, capacity, []) == place_kernel(
             ready, duration, full, want, capacity, [], past
         )
+
+
+def test_the_near_search_places_as_the_full_search_behind_a_long_backlog():
+    """`place_kernel_near` looks at the earliest-ending own kernels first; it must give what
+    `place_kernel` gives on the whole backlog, whether or not the shortcut is taken."""
+    rng = random.Random(11)
+    shortcuts = 0
+    for _ in range(400):
+        capacity = rng.choice([8, 80])
+        own, t = [], 0.0
+        for _ in range(rng.randint(0, 120)):  # a context's backlog: overlapping kernels, sorted by end
+            start = t + rng.uniform(-2e-5, 3e-5)
+            length = rng.choice([0.0, rng.uniform(1e-6, 1e-4)])
+            own.append((max(0.0, start), max(0.0, start) + length, rng.randint(1, capacity)))
+            t = max(t, start)
+        own.sort(key=lambda k: k[1])
+        longest = max((e - s for s, e, _ in own), default=0.0)
+        blocked = [] if rng.random() < 0.5 else [(rng.uniform(0, t + 1e-4), rng.uniform(0, t + 2e-4))]
+        blocked = [(b0, b1) for b0, b1 in blocked if b1 > b0]
+        ready = rng.uniform(0, t + 1e-4)
+        duration = rng.choice([0.0, rng.uniform(1e-7, 1e-5), rng.uniform(1e-5, 1e-3)])
+        full, want = rng.randint(1, 2 * capacity), rng.randint(1, capacity)
+        full = min(full, capacity)
+        expected = place_kernel(ready, duration, full, want, capacity, own, blocked)
+        near_placed = place_kernel_near(longest, ready, duration, full, want, capacity, own, blocked)
+        assert near_placed == expected
+        near = own[:NEAR_KERNELS]
+        if len(own) > NEAR_KERNELS and expected[0] + duration * full < near[-1][1] - longest:
+            shortcuts += 1
+    assert shortcuts > 20  # the shortcut was taken often enough to be tested
