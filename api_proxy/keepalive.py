@@ -4,11 +4,14 @@
   idle instance (so that surplus instances stay idle and expire: scale down, and to zero), else
   starts a new one while fewer than `max_instances` exist, else queues. Idle instances expire after
   `keep_alive_s` (default 10 minutes, the paper's section 8).
-- `WarmProxies`: the warm proxies (GPU runtimes) of a machine, placed on the GPU with the least
-  memory in use (ties: fewer proxies, then lowest index). At most `max_per_device` per GPU
-  (3, section 8); admitting one more on a full GPU evicts that GPU's longest-idle proxy; a proxy
-  with requests in flight is never evicted (the caller waits instead). Idle proxies expire after
-  `keep_alive_s`.
+- `WarmProxies`: the warm proxies (GPU runtimes) of a machine, admitted by memory: a new proxy
+  goes to the GPU with the most memory free where its predicted footprint fits (ties: fewer
+  proxies, then lowest index). Where none fits, that GPU's idle proxies are evicted, longest-idle
+  first, until it does; a proxy with requests in flight is never evicted (the caller waits
+  instead). The paper's "each GPU can handle up to 3 concurrent inference workflows" (section 8)
+  is a consequence of its 16 GB and its proxies' size, not a rule: an optional count cap
+  (`max_per_device`; `PAPER_PROXIES_PER_DEVICE` reproduces the paper's) applies on top. Idle
+  proxies expire after `keep_alive_s`.
 
 Both can be pinned: a replay deploys several workflows before its clock starts, and a deploy takes
 seconds, longer than a time-compressed keep-alive; pinned, nothing expires until the warm-up ends.
@@ -24,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 DEFAULT_KEEP_ALIVE_S = 600.0
-DEFAULT_MAX_PROXIES_PER_DEVICE = 3
+#: The paper's warm GPU runtimes per GPU (section 8), as an optional cap: `WarmProxies(max_per_device=...)`.
+PAPER_PROXIES_PER_DEVICE = 3
 
 
 def _expired(idle: Iterable[tuple[float, Hashable]], now: float, keep_alive_s: float) -> list[Hashable]:
@@ -134,17 +138,24 @@ class InstancePool:
 
 @dataclass(frozen=True)
 class Admission:
-    """Whether a proxy may be (or stay) warm: which proxies to evict first, or wait."""
+    """Whether a proxy may be (or stay) warm: which proxies to evict first, or wait.
+
+    `fits` is False when the proxy is admitted although its predicted footprint exceeds what the
+    device has free with nothing left to evict or wait for (an empty GPU): it starts, and may fail
+    with the device's out-of-memory error, rather than wait for ever."""
 
     device: int
     evict: tuple[Hashable, ...] = ()
     wait: bool = False
+    fits: bool = True
 
 
 @dataclass
 class _Proxy:
     device: int
     last_used: float
+    footprint: int = 0  # predicted device bytes (the caller's estimate)
+    ready: bool = False  # its memory shows in what the device reports (until then: `footprint`)
     inflight: int = 0
     pinned: bool = False
 
@@ -154,12 +165,12 @@ class WarmProxies:
     """The warm proxies of a machine (see the module doc)."""
 
     devices: int = 1
-    max_per_device: int = DEFAULT_MAX_PROXIES_PER_DEVICE
+    max_per_device: int | None = None
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
     _proxies: dict[Hashable, _Proxy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.devices < 1 or self.max_per_device < 1:
+        if self.devices < 1 or (self.max_per_device is not None and self.max_per_device < 1):
             raise ValueError("devices and max_per_device must be >= 1")
 
     def warm(self, device: int | None = None) -> list[Hashable]:
@@ -168,39 +179,68 @@ class WarmProxies:
     def device_of(self, key: Hashable) -> int:
         return self._proxies[key].device
 
-    def admit(self, key: Hashable, now: float, loads: Sequence[int] | None = None) -> Admission:
+    def admit(
+        self, key: Hashable, now: float, free: Sequence[int] | None = None, footprint: int = 0
+    ) -> Admission:
         """Where `key`'s proxy runs, and what must go first. A warm proxy is admitted as is.
 
-        Placement: a new proxy goes to the device with the least memory in use (`loads`, bytes per
-        device: every process's, as the node reports it), ties to the fewer warm proxies, then the
-        lowest index, among devices with room for one more proxy; without `loads`, to the device
-        with the fewest warm proxies (lowest index on ties). When every device is full, the device
-        with the fewest warm proxies evicts its longest-idle proxy without requests in flight; if
-        every one is busy, wait.
+        `free`: device bytes free per GPU as the node reports them (every process's use), less the
+        predicted `footprint` of proxies admitted but not yet `ready`; None: memory unknown, only the
+        count cap applies. A new proxy goes to a device where its `footprint` fits and the count cap
+        (if any) has room: the one with the most memory free, ties to fewer warm proxies, then the
+        lowest index. Where none has room, the device with the most memory free evicts its idle
+        proxies, longest-idle first, until the footprint fits; if evicting every idle one is not
+        enough, wait for a busy one to finish; a device with no proxy at all admits it (`fits`
+        False).
         """
         if key in self._proxies:
             return Admission(self._proxies[key].device)
+        if free is not None and len(free) != self.devices:
+            raise ValueError(f"free memory for {len(free)} devices, but the node has {self.devices}")
         counts = [0] * self.devices
         for p in self._proxies.values():
             counts[p.device] += 1
-        if loads is not None and len(loads) != self.devices:
-            raise ValueError(f"loads for {len(loads)} devices, but the node has {self.devices}")
-        room = [d for d in range(self.devices) if counts[d] < self.max_per_device]
-        if loads is not None and room:
-            return Admission(min(room, key=lambda d: (loads[d], counts[d], d)))
-        device = min(range(self.devices), key=lambda d: (counts[d], d))
-        if counts[device] < self.max_per_device:
-            return Admission(device)
-        idle = [(p.last_used, k) for k, p in self._proxies.items() if p.device == device and p.inflight == 0]
-        if not idle:
-            return Admission(device, wait=True)
-        _, victim = min(idle, key=lambda t: t[0])
-        return Admission(device, evict=(victim,))
+        left = list(free) if free is not None else [0] * self.devices
+        for p in self._proxies.values():
+            if not p.ready:
+                left[p.device] -= p.footprint
+        need = footprint if free is not None else 0
+        cap = self.max_per_device
 
-    def started(self, key: Hashable, device: int, now: float) -> None:
-        if sum(p.device == device for p in self._proxies.values()) >= self.max_per_device:
+        def has_room(device: int, evicted: int = 0, freed: int = 0) -> bool:
+            count_ok = cap is None or counts[device] - evicted < cap
+            return count_ok and left[device] + freed >= need
+
+        order = sorted(range(self.devices), key=lambda d: (-left[d], counts[d], d))
+        for device in order:
+            if has_room(device):
+                return Admission(device)
+        device = order[0] if free is not None else min(range(self.devices), key=lambda d: (counts[d], d))
+        idle = sorted(
+            (p.last_used, k) for k, p in self._proxies.items() if p.device == device and p.inflight == 0
+        )
+        victims: list[Hashable] = []
+        freed = 0
+        for _, victim in idle:
+            victims.append(victim)
+            freed += self._proxies[victim].footprint
+            if has_room(device, len(victims), freed):
+                return Admission(device, evict=tuple(victims))
+        if counts[device] > len(victims):  # busy proxies hold the rest: one of them will finish
+            return Admission(device, wait=True)
+        return Admission(device, evict=tuple(victims), fits=False)
+
+    def started(self, key: Hashable, device: int, now: float, footprint: int = 0) -> None:
+        """`key`'s proxy holds its place on `device` from now (starting, not yet `ready`)."""
+        count = sum(p.device == device for p in self._proxies.values())
+        if self.max_per_device is not None and count >= self.max_per_device:
             raise RuntimeError(f"device {device} already has {self.max_per_device} warm proxies")
-        self._proxies[key] = _Proxy(device, now)
+        self._proxies[key] = _Proxy(device, now, footprint)
+
+    def ready(self, key: Hashable) -> None:
+        """`key`'s proxy has started: its memory now shows in what the device reports free."""
+        if key in self._proxies:
+            self._proxies[key].ready = True
 
     def begin(self, key: Hashable, now: float) -> None:
         p = self._proxies[key]

@@ -265,9 +265,11 @@ def _proxy_invoker(system: str) -> Callable[[Config, WorkflowOptions, dict[str, 
             "prewarm": DEFAULT_PREWARM,
             **_proxy_options(system, rest),
         }
+        max_per_device = proxy_options.pop("max_proxies_per_device", None)
         return ProxyInvoker(
             config,
             system=system,
+            max_proxies_per_device=max_per_device,
             keep_alive_s=options.keep_alive_s,
             stats_period_s=0.25,
             proxy_options=proxy_options,
@@ -277,9 +279,13 @@ def _proxy_invoker(system: str) -> Callable[[Config, WorkflowOptions, dict[str, 
 
 
 class ProxyStartup(SettingsModel):
-    """The proxy systems' start-up option, named as infless's and astraea's."""
+    """The proxy systems' start-up options: `prewarm` named as infless's and astraea's; a count cap
+    on warm proxies per GPU on top of admission by memory (the paper's: 3)."""
 
     prewarm: int = Field(DEFAULT_PREWARM, ge=0, description="instances per function forked at deploy")
+    max_proxies_per_device: int | None = Field(
+        None, ge=1, description="warm proxies per GPU at most (default: as many as fit in its memory)"
+    )
 
 
 def _proxy_options(system: str, options: Mapping[str, str]) -> dict[str, Any]:
@@ -287,7 +293,7 @@ def _proxy_options(system: str, options: Mapping[str, str]) -> dict[str, Any]:
     from streambox.api_proxy.proxy_config import ablation_options
 
     given = {option_name(k): v for k, v in options.items()}
-    startup = {k: given.pop(k) for k in ("prewarm",) if k in given}
+    startup = {k: given.pop(k) for k in ProxyStartup.model_fields if k in given}
     try:
         own = build(ProxyStartup, "proxy option", **startup).model_dump(exclude_unset=True)
         return {**ablation_options(given), **own}
@@ -309,6 +315,7 @@ def _proxy_settings(system: str) -> Callable[[WorkflowOptions, dict[str, str]], 
             **resolved,
             "startup": proxy_startup(parsed.get("prewarm", DEFAULT_PREWARM)),
             "prewarm": parsed.get("prewarm", DEFAULT_PREWARM),
+            "max_proxies_per_device": parsed.get("max_proxies_per_device"),
             "weights_keep_alive_s": options.keep_alive_s if keep is None else keep,
             "completion": parsed.get("completion") or env_default("completion") or "poll",
             "channel": parsed.get("channel") or env_default("channel") or "shm",

@@ -837,10 +837,13 @@ class MonolithicInvoker:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            holding = await asyncio.to_thread(self._registry.live_producers) if self._registry else set()
             for wf in list(self._workflows.values()):
                 for fn in wf.functions.values():
                     for instance_id in fn.pool.expired(now):
                         instance = fn.instances.get(instance_id)  # type: ignore[arg-type]
+                        if instance is not None and instance.pid in holding:
+                            continue  # its exported keys await their consumers: stop it after
                         if instance is not None and self._detach(fn, instance):
                             self._spawn(self._terminate(instance, kill=False))
             if self._registry is not None:  # as Redis expires its ended markers

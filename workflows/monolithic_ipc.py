@@ -124,6 +124,21 @@ class HandleRegistry:
             return None
         return meta
 
+    def live_producers(self) -> set[int]:
+        """The processes (pids) that exported a key still to be taken (not retired, expired, or of an
+        ended request): their memory backs it, so they must outlive it (a keep-alive that stops one
+        takes the key with it)."""
+        producers: set[int] = set()
+        now = time.time()
+        with self.locked():
+            for path in self.keys.glob("*.json"):
+                with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                    meta = json.loads(path.read_text())
+                    live = meta["expires"] is None or meta["expires"] > now
+                    if live and not self.ended_path(meta["workflow"], meta["request"]).exists():
+                        producers.add(int(meta["producer"]))
+        return producers
+
     def publish(self, key: str, meta: dict[str, Any]) -> None:
         """Write a new key's metadata atomically (call under `locked`, after checking it is new)."""
         path = self.key_path(key)
@@ -220,6 +235,7 @@ class IpcHandleStore:
             "strides": list(handle.strides),
             "left": -1 if consumers is None else consumers,
             "request": request_id,
+            "workflow": self.workflow,
             "expires": expires,
         }
         registry = self.registry

@@ -6,12 +6,14 @@
 - `invoke` sends the call to the workflow's proxy (starting it if needed) and maps its errors to
   the engine's: a handler that raised or an instance that died -> `InvocationError`, a timeout ->
   `InvocationTimeout`.
-- Warm proxies follow `keepalive.WarmProxies`: at most `max_proxies_per_device` (3) per GPU, the
-  longest-idle one evicted first when another is needed, idle ones stopped after `keep_alive_s`.
-- Placement on a node of several GPUs (`--gpus N`): a proxy starts on the GPU with the least memory
-  in use as the node reports it (every process's contexts, pools, weights and other jobs), ties to
-  the GPU with fewer warm proxies, then the lowest index (`WarmProxies.admit`). `placement()` and
-  each proxy's `stats` (`device.index`) say where each one runs.
+- Warm proxies follow `keepalive.WarmProxies`, admitted by memory: a proxy starts on the GPU with the
+  most memory free as the node reports it (every process's contexts, pools, weights and other
+  jobs) where its footprint fits (`proxy_footprint.py`: predicted from its models' profiles, then
+  the larger of that and what it last reported), ties to the GPU with fewer warm proxies, then the
+  lowest index. Where none fits, the longest-idle proxies there are evicted first; idle ones stop
+  after `keep_alive_s`. `max_proxies_per_device` adds a count cap (the paper's 3:
+  `keepalive.PAPER_PROXIES_PER_DEVICE`); default none. `placement()` and each proxy's `stats`
+  (`device.index`) say where each one runs.
 - `runtime_stats()` (the gateway's `/metrics` callback) returns what the proxies reported last; a
   background task refreshes it every `stats_period_s`.
 """
@@ -28,12 +30,13 @@ from typing import Any
 from streambox.api_proxy.control import AsyncProxyClient, ProxyProcess, launch_proxy
 from streambox.api_proxy.errors import FunctionFailed, FunctionTimeout, ProxyError
 from streambox.api_proxy.function_spec import ProxyFunction
-from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_PROXIES_PER_DEVICE, WarmProxies
+from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, Admission, WarmProxies
 from streambox.api_proxy.proxy_config import ProxyConfig
 from streambox.config import Config
 from streambox.phases import COLD_START, DEVICE_WAIT, QUEUE
 
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats, deployed
+from .proxy_footprint import predicted_footprint, runtime_overhead
 from .spec import WorkflowSpec
 
 #: Extra time the invoker waits for the proxy's answer beyond the invocation's own timeout.
@@ -77,7 +80,7 @@ class ProxyInvoker:
         config: Config | None = None,
         *,
         system: str = "streambox",
-        max_proxies_per_device: int = DEFAULT_MAX_PROXIES_PER_DEVICE,
+        max_proxies_per_device: int | None = None,
         keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
         stats_period_s: float = 1.0,
         proxy_options: dict[str, Any] | None = None,
@@ -90,7 +93,9 @@ class ProxyInvoker:
         self.stats_period_s = stats_period_s
         self._workflows: dict[str, _Deployed] = {}
         self._housekeeping: asyncio.Task[None] | None = None
-        self._backend: Any = None  # opened for the node's memory use when placing on several GPUs
+        self._backend: Any = None  # opened for the node's free memory, to admit proxies by it
+        self._predicted: dict[str, int] = {}  # device bytes of each workflow's proxy, from its profiles
+        self._footprints: dict[str, int] = {}  # the larger of that and what its proxy reported last
         self.proxy_starts = 0
 
     @classmethod
@@ -105,8 +110,11 @@ class ProxyInvoker:
         config = proxy_config_for(spec, self.config, self.system, **self.proxy_options)
         self._workflows[spec.name] = wf = _Deployed(spec, config)
         self._ensure_housekeeping()
-        admission = self.warm.admit(spec.name, time.monotonic(), self._device_loads())
-        if not admission.evict and not admission.wait:
+        overhead = runtime_overhead(self.config)
+        predicted = await asyncio.to_thread(predicted_footprint, config, overhead)
+        self._predicted[spec.name] = self._footprints[spec.name] = predicted
+        admission = self._admit(spec.name)
+        if not admission.evict and not admission.wait and admission.fits:
             self._reserve(wf, admission.device)
             await self._start(wf, admission.device)
 
@@ -208,16 +216,21 @@ class ProxyInvoker:
         """The GPU of each warm proxy, by workflow."""
         return {name: self.warm.device_of(name) for name in self.warm.warm()}  # type: ignore[misc]
 
-    def _device_loads(self) -> list[int] | None:
-        """Device memory in use per GPU of the node (every process's), for placement; None on a
-        one-GPU node or when the backend reports fewer devices than the node is configured with."""
+    def _admit(self, workflow: str) -> Admission:
+        """`WarmProxies.admit` with the node's free memory now and the workflow's proxy footprint.
+        Synchronous on purpose (a proxy start is rare): no other admission or start can come between
+        the memory read and the reservation that follows."""
+        free = self._free_memory()
+        return self.warm.admit(workflow, time.monotonic(), free, self._footprints.get(workflow, 0))
+
+    def _free_memory(self) -> list[int] | None:
+        """Device memory free per GPU of the node (every process's use counted); None when the
+        backend reports fewer devices than the node is configured with."""
         gpus = self.config.gpus
-        if gpus < 2:
-            return None
         if self._backend is None:
             self._backend = self.config.open_backend()
         usage = self._backend.device_usage()
-        return [u.used_memory for u in usage[:gpus]] if len(usage) >= gpus else None
+        return [u.total_memory - u.used_memory for u in usage[:gpus]] if len(usage) >= gpus else None
 
     def last_stats(self) -> dict[str, dict[str, Any]]:
         """Each warm proxy's last `stats` reply, by workflow (refreshed every `stats_period_s`)."""
@@ -228,6 +241,10 @@ class ProxyInvoker:
             if wf.client is not None:
                 with contextlib.suppress(Exception):
                     wf.stats = await wf.client.stats()
+                    # What the proxy holds now (context, weights, its pool) refines the prediction.
+                    measured = int(wf.stats["device"]["runtime_bytes"])
+                    name = wf.spec.name
+                    self._footprints[name] = max(self._predicted.get(name, 0), measured)
 
     # -- proxies ---------------------------------------------------------------------------------
     async def _ensure_proxy(self, wf: _Deployed) -> bool:
@@ -240,7 +257,7 @@ class ProxyInvoker:
             if wf.starting is not None:
                 await asyncio.shield(wf.starting)
                 return True
-            admission = self.warm.admit(wf.spec.name, time.monotonic(), self._device_loads())
+            admission = self._admit(wf.spec.name)
             if not admission.wait:
                 break
             await asyncio.sleep(0.01)  # every proxy on that GPU is busy: wait for one to go idle
@@ -259,7 +276,7 @@ class ProxyInvoker:
         finds its proxy unregistered). `_start` launches it."""
         wf.starting = asyncio.get_running_loop().create_future()
         now = time.monotonic()
-        self.warm.started(wf.spec.name, device, now)
+        self.warm.started(wf.spec.name, device, now, self._footprints.get(wf.spec.name, 0))
         self.warm.begin(wf.spec.name, now)
 
     async def _start(self, wf: _Deployed, device: int) -> None:
@@ -270,6 +287,7 @@ class ProxyInvoker:
             wf.proxy = await asyncio.to_thread(launch_proxy, config)
             wf.client = AsyncProxyClient(wf.proxy.address)
             self.proxy_starts += 1
+            self.warm.ready(name)  # its memory now shows in what the device reports
             wf.starting.set_result(None)
         except BaseException as exc:
             self.warm.remove(name)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from streambox.api_proxy.keepalive import Acquire, Admission, InstancePool, WarmProxies
+from streambox.api_proxy.keepalive import (
+    PAPER_PROXIES_PER_DEVICE,
+    Acquire,
+    Admission,
+    InstancePool,
+    WarmProxies,
+)
 
 
 def test_first_request_starts_an_instance_then_reuses_it_warm():
@@ -66,8 +72,8 @@ def test_pool_arguments_are_checked():
         InstancePool(max_instances=1, keep_alive_s=-1)
 
 
-def test_at_most_three_proxies_per_gpu_longest_idle_evicted_first():
-    warm = WarmProxies(devices=1, max_per_device=3, keep_alive_s=600)
+def test_a_count_cap_evicts_the_longest_idle_proxy_first():
+    warm = WarmProxies(devices=1, max_per_device=PAPER_PROXIES_PER_DEVICE, keep_alive_s=600)
     for i, name in enumerate(("a", "b", "c")):
         assert warm.admit(name, float(i)) == Admission(0)
         warm.started(name, 0, float(i))
@@ -88,6 +94,30 @@ def test_busy_proxies_are_not_evicted_the_caller_waits():
     assert warm.admit("c", 2.0) == Admission(0, wait=True)
     warm.end("b", 3.0)
     assert warm.admit("c", 4.0) == Admission(0, evict=("b",))
+
+
+def test_proxies_are_admitted_by_memory_with_no_count_cap():
+    """Six 1 GB proxies fit a 16 GB GPU; what does not fit evicts idle ones, longest-idle first, until it
+    does, waits while the rest are busy, and an empty GPU admits even what cannot fit."""
+    gib = 1 << 30
+    warm = WarmProxies(devices=1)
+    for i in range(6):
+        # The node reports what the ready proxies hold; started ones count by their footprint.
+        assert warm.admit(f"p{i}", 0.0, free=[16 * gib], footprint=gib) == Admission(0)
+        warm.started(f"p{i}", 0, float(i), footprint=gib)
+    assert len(warm.warm(0)) == 6
+    # 10 GB left while all six start: a 13 GB proxy evicts three, longest-idle first.
+    assert warm.admit("big", 9.0, free=[16 * gib], footprint=13 * gib) == Admission(
+        0, evict=("p0", "p1", "p2")
+    )
+    for i in range(6):
+        warm.ready(f"p{i}")  # now the node's figure holds them: 10 GB free
+    assert warm.admit("big", 9.0, free=[10 * gib], footprint=11 * gib) == Admission(0, evict=("p0",))
+    for i in range(6):
+        warm.begin(f"p{i}", 10.0)  # every one busy
+    assert warm.admit("big", 11.0, free=[10 * gib], footprint=11 * gib) == Admission(0, wait=True)
+    empty = WarmProxies(devices=1)
+    assert empty.admit("huge", 0.0, free=[16 * gib], footprint=20 * gib) == Admission(0, fits=False)
 
 
 def test_new_proxies_go_to_the_least_loaded_gpu():

@@ -113,15 +113,18 @@ def test_neighbours_are_every_other_gpu_with_am_and_none_without():
 
 def test_placement_is_least_memory_in_use_then_fewer_proxies_then_lowest_index():
     warm = WarmProxies(devices=3, max_per_device=2)
-    assert warm.admit("a", 0.0, loads=[5, 3, 3]) == Admission(1)  # least memory in use
+    assert warm.admit("a", 0.0, free=[5, 7, 7]) == Admission(1)  # the most memory free
     warm.started("a", 1, 0.0)
-    assert warm.admit("b", 0.0, loads=[3, 3, 3]) == Admission(0)  # tie: fewer proxies, lowest index
+    warm.ready("a")
+    assert warm.admit("b", 0.0, free=[7, 7, 7]) == Admission(0)  # tie: fewer proxies, lowest index
     warm.started("b", 0, 0.0)
     warm.started("c", 1, 0.0)  # GPU 1 is full (2 proxies): never chosen, however idle its memory
-    assert warm.admit("d", 0.0, loads=[9, 0, 8]) == Admission(2)
-    assert warm.admit("a", 0.0, loads=[0, 9, 9]) == Admission(1)  # a warm proxy stays where it is
-    with pytest.raises(ValueError, match="loads for 2 devices, but the node has 3"):
-        warm.admit("d", 0.0, loads=[0, 0])
+    for name in ("b", "c"):
+        warm.ready(name)
+    assert warm.admit("d", 0.0, free=[1, 10, 2]) == Admission(2)
+    assert warm.admit("a", 0.0, free=[10, 1, 1]) == Admission(1)  # a warm proxy stays where it is
+    with pytest.raises(ValueError, match="free memory for 2 devices, but the node has 3"):
+        warm.admit("d", 0.0, free=[0, 0])
 
 
 WORKFLOW = textwrap.dedent(

@@ -133,3 +133,18 @@ def test_the_three_systems_replay_a_real_workflow(tmp_path: Path) -> None:
     assert all(s["memory_used_bytes"] >= s["memory.context_bytes"] for s in mono)
     assert max(s.get("memory.weights_bytes", 0) for s in mono) > 0
     assert report["ratios"] and any((tmp_path / "report").glob("*.png"))
+
+
+@pytest.mark.parametrize("system", ["streambox", "stream-only"])
+def test_the_proxy_systems_admit_by_memory_unless_a_count_cap_is_set(system: str) -> None:
+    from streambox.config import Config
+    from streambox.replay.systems import _proxy_invoker
+
+    options, _, _ = WorkflowOptions.split(system, {}, 1.0)
+    assert _proxy_invoker(system)(Config(), options, {}).warm.max_per_device is None
+    capped = _proxy_invoker(system)(Config(), options, {"max_proxies_per_device": "3"})
+    assert capped.warm.max_per_device == 3
+    request = SystemRequest(system, ("traffic",), options={"max_proxies_per_device": "3"})
+    assert resolve_system(system, request).describe()["settings"]["max_proxies_per_device"] == 3
+    with pytest.raises(ValueError, match="max_proxies_per_device '0' must be >= 1"):
+        resolve_system(system, SystemRequest(system, ("traffic",), options={"max_proxies_per_device": "0"}))

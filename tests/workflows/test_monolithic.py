@@ -45,6 +45,8 @@ HANDLERS = textwrap.dedent(
             return {"pid": os.getpid(), "sum": total, "shape": list(data.shape)}
         if do == "put":
             ctx.put(ctx.key("late"), ctx.upload(torch.zeros(2)))
+        if do == "export":  # put the data for one consumer and return at once
+            ctx.put(ctx.key("data"), ctx.upload(torch.arange(event["n"], dtype=torch.float32)), consumers=1)
         if do == "raise":
             raise ValueError("bad input")
         if do == "sleep":
@@ -73,6 +75,15 @@ name: mono-infer
 slo_ms: 1000
 functions:
   classify: {handler: "mono_test_handlers:classify", models: [text_encoder], max_instances: 1}
+"""
+
+
+PRODUCE_THEN_CONSUME = """
+name: mono
+slo_ms: 1000
+functions:
+  produce: {handler: "mono_test_handlers:act", max_instances: 1}
+  consume: {handler: "mono_test_handlers:act", max_instances: 1}
 """
 
 
@@ -289,3 +300,29 @@ def test_a_prewarm_that_finds_the_gpu_full_is_skipped_and_the_deploy_goes_on(tmp
     finally:
         hog.mem_free(held)
         hog.close()
+
+
+def test_astraea_keeps_a_producer_alive_past_its_keep_alive_while_its_keys_await_their_consumer(
+    tmp_path, run
+):
+    """CUDA-IPC: the producer's runtime holds the data it exported. Idle past its keep-alive, it is not
+    stopped while a key of it is still to be taken (stopping it would take the key with it: the
+    consumer's GET would fail); once the request ends, it scales to zero."""
+    config = _config(tmp_path)
+    spec = parse_spec(PRODUCE_THEN_CONSUME, "mono.yaml", base_dir=tmp_path)
+
+    async def scenario() -> None:
+        invoker = MonolithicInvoker(config, keep_alive_s=0.3, data_path="cuda-ipc")
+        try:
+            await invoker.deploy(spec)
+            await invoker.invoke("mono", "produce", {"do": "export", "n": 5}, "r1")
+            await asyncio.sleep(1.5)  # several keep-alives: the producer is idle and expired
+            assert invoker.memory_breakdown()["instances"] == 1
+            result = await invoker.invoke("mono", "consume", {"do": "consume"}, "r1")
+            assert result.output["sum"] == 10.0
+            await invoker.end_request("mono", "r1")  # retires r1's keys: nothing holds either
+            await _until(lambda: invoker.memory_breakdown()["instances"] == 0)
+        finally:
+            await invoker.close()
+
+    run(scenario())

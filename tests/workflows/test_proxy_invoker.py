@@ -31,14 +31,14 @@ HANDLERS = textwrap.dedent(
 )
 
 
-def _spec(name: str, tmp_path, fail: bool = False):
+def _spec(name: str, tmp_path, fail: bool = False, models: str = "[]"):
     text = textwrap.dedent(
         f"""
         name: {name}
         slo_ms: 1000
         functions:
           make: {{handler: "invoker_test_handlers:make"}}
-          total: {{handler: "invoker_test_handlers:{"fail" if fail else "total"}"}}
+          total: {{handler: "invoker_test_handlers:{"fail" if fail else "total"}", models: {models}}}
         edges:
           - {{from: make, to: total}}
         """
@@ -129,3 +129,44 @@ def test_a_pinned_proxy_and_its_instances_outlive_their_keep_alive_until_unpinne
             await engine.close()
 
     asyncio.run(scenario())
+
+
+def test_proxies_are_admitted_by_the_gpus_free_memory_and_the_prediction_matches_the_proxy(tmp_path):
+    """Another job leaves room for 1.5 times the second workflow's predicted footprint: the first
+    proxy starts at deploy, the second does not, and its first request evicts the first (idle) proxy
+    instead of overfilling the GPU. The prediction (context, resnet18's weights, its activation peak)
+    is close to what the real proxy then holds."""
+    from streambox.device.emulated import EmulatedBackend
+    from streambox.device.specs import preset
+    from streambox.workflows.proxy_footprint import predicted_footprint, runtime_overhead
+    from streambox.workflows.proxy_invoker import proxy_config_for
+
+    (tmp_path / "invoker_test_handlers.py").write_text(HANDLERS)
+    config = Config.from_env().with_overrides(state_dir=tmp_path / "state", device_mode="functional")
+    two = _spec("two", tmp_path, models="[resnet18]")
+    predicted = predicted_footprint(proxy_config_for(two, config, "streambox"), runtime_overhead(config))
+    spec = preset(config.device_preset).with_overrides(context_create_s=0.0)
+    job = EmulatedBackend(spec, state_dir=tmp_path / "state", mode="timed")
+    job_runtime = job.open_runtime(0)
+    job_runtime.mem_alloc(spec.total_memory - job_runtime.allocated_bytes() - predicted * 3 // 2)
+
+    async def scenario() -> None:
+        invoker = ProxyInvoker(config, proxy_options={"prefork": 0})
+        engine = Engine(invoker)
+        try:
+            await engine.deploy(_spec("one", tmp_path))
+            await engine.deploy(two)
+            assert invoker.warm.warm() == ["one"]  # no room for two: it waits for its first request
+            result = await engine.run("two", {"scale": 1})
+            assert result.ok and result.output == {"sum": 15.0}
+            assert invoker.warm.warm() == ["two"] and invoker.proxy_starts == 2
+            await invoker.refresh_stats()
+            held = invoker.last_stats()["two"]["device"]["runtime_bytes"]
+            assert predicted * 0.8 <= held <= predicted * 1.2, (predicted, held)
+        finally:
+            await engine.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        job.close()
