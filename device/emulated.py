@@ -538,8 +538,8 @@ class EmulatedRuntime(Runtime):
                     )
                 else:  # a long backlog (a host far ahead of the device): the near search first
                     start, end, units = self._ledger.place_busy(
-                        *(self._slot, mps, ready, now, place_kernel_near, self._longest),
-                        *(ready, duration, full, want, self.units, own),
+                        self._slot, mps, ready, now, place_kernel_near, self._longest, ready, duration, full,
+                        want, self.units, own,
                     )
                 bisect.insort(placed, (start, end, units), key=_end)
                 if end - start > self._longest:

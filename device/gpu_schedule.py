@@ -107,9 +107,18 @@ def place_kernel(
 NEAR_KERNELS = 32
 
 
-def place_kernel_near(longest: float, *search: object) -> Placed:
-    """`place_kernel(*search)` (`search`: ready, duration, full, want, capacity, own, blocked), same
-    result, at a cost that does not grow with a long backlog of own kernels.
+def place_kernel_near(
+    longest: float,
+    ready: float,
+    duration: float,
+    full: int,
+    want: int,
+    capacity: int,
+    own: Sequence[Placed],
+    blocked: Sequence[Blocked] = (),
+) -> Placed:
+    """`place_kernel(ready, duration, full, want, capacity, own, blocked)`, same result, at a cost
+    that does not grow with a long backlog of own kernels.
 
     `own` must be sorted by end, and no own kernel may last longer than `longest` seconds. The search
     first runs on the `NEAR_KERNELS` earliest-ending own kernels: every later one ends at or after the
@@ -117,16 +126,14 @@ def place_kernel_near(longest: float, *search: object) -> Placed:
     search reads lies before its final start plus `duration * full` (the longest the kernel can take,
     on one unit), so when that is before `horizon` no later kernel could have changed a step: the
     result is the full search's. Otherwise the full search runs."""
-    *head, own, blocked = search  # place_kernel's arguments, in its order (`Ledger.place_busy`'s fit)
-    if len(own) <= NEAR_KERNELS:  # type: ignore[arg-type]
-        return place_kernel(*search)  # type: ignore[arg-type]
-    near = own[:NEAR_KERNELS]  # type: ignore[index]
+    if len(own) <= NEAR_KERNELS:
+        return place_kernel(ready, duration, full, want, capacity, own, blocked)
+    near = own[:NEAR_KERNELS]
     horizon = near[-1][1] - longest
     try:
-        placed = place_kernel(*head, near, blocked)  # type: ignore[arg-type]
+        placed = place_kernel(ready, duration, full, want, capacity, near, blocked)
     except RuntimeError:  # no placement within the steps: the full search decides
-        placed = None
-    _, duration, full = head[:3]
-    if placed is not None and placed[0] + duration * full < horizon:  # type: ignore[operator]
+        return place_kernel(ready, duration, full, want, capacity, own, blocked)
+    if placed[0] + duration * full < horizon:
         return placed
-    return place_kernel(*search)  # type: ignore[arg-type]
+    return place_kernel(ready, duration, full, want, capacity, own, blocked)
