@@ -29,7 +29,9 @@ Timed mode: a kernel is placed at issue on the device's compute units (`gpu_sche
 and never runs; events, stream synchronisation and pool frees take effect at modelled times, and a
 caller that waits sleeps until then. Device allocations have addresses and are accounted exactly as
 in functional mode but hold no host memory; copies move nothing (downloads fill the host with zeros);
-`view` returns a `meta` tensor. A launch without `duration_s` lasts `spec.fallback_kernel_s`
+`view` returns a `meta` tensor. An upload from pageable memory still pays the driver's staging on the
+issuing thread, a real host memcpy overlapped with its modelled transfer (`pageable.py`), as the IO
+daemon's pinned ring pays its own. A launch without `duration_s` lasts `spec.fallback_kernel_s`
 (counted in `timed_stats()`).
 
 Where it deliberately differs from CUDA:
@@ -83,6 +85,7 @@ from .gpu_schedule import NEAR_KERNELS, Placed, place_kernel, place_kernel_near
 from .host_backing import SpareBacking
 from .ledger import Ledger, _process_start_time, default_state_dir, ledger_path
 from .modes import check_device_mode, env_device_mode
+from .pageable import PageableStager, transfer_floor
 from .specs import V100_16GB, DeviceSpec, preset
 
 DEFAULT_TIMELINE_LIMIT = 100_000
@@ -238,6 +241,7 @@ class EmulatedRuntime(Runtime):
         # Records, or for timed kernels their fields as a plain tuple (built into records on read:
         # a frozen dataclass costs about a microsecond to make, once per kernel).
         self._timeline: deque[TimelineRecord | tuple] = deque(maxlen=timeline_limit)
+        self._stager = PageableStager()  # timed mode: the driver's staging of pageable uploads
         self._h2d = CopyEngine("h2d", f"streambox-emu-{self.name_tag}-h2d", self._record, ledger.link("h2d"))
         self._d2h = CopyEngine("d2h", f"streambox-emu-{self.name_tag}-d2h", self._record, ledger.link("d2h"))
         self._peer = CopyEngine("peer", f"streambox-emu-{self.name_tag}-peer", self._record)
@@ -387,8 +391,14 @@ class EmulatedRuntime(Runtime):
         _check_range(host.numel(), src_offset, nbytes, "htod copy source")
         alloc, offset = self._table.resolve(dst, nbytes, "htod copy")
         source = host[src_offset : src_offset + nbytes]
+        cost = self.spec.link.copy_seconds(nbytes, pinned)
+        issued_at = None
         if not pinned and not self.timed:
             source = source.clone()  # pageable memory is staged by the driver at issue
+        elif not pinned:  # timed: no bytes move, but the driver's staging memcpy is real host work
+            issued_at = time.perf_counter()
+            staged, last = self._stager.stage(source)
+            issued_at = transfer_floor(issued_at, staged, cost, last / self.spec.link.pageable_bandwidth)
 
         def run() -> None:
             if self.timed:
@@ -396,8 +406,7 @@ class EmulatedRuntime(Runtime):
             else:
                 _device_bytes(alloc, offset, nbytes, "htod copy").copy_(source)
 
-        cost = self.spec.link.copy_seconds(nbytes, pinned)
-        s.enqueue_copy(self._h2d, CopyJob("htod", f"htod {s.lane}", nbytes, cost, 0.0, run))
+        s.enqueue_copy(self._h2d, CopyJob("htod", f"htod {s.lane}", nbytes, cost, 0.0, run), issued_at)
 
     def copy_dtoh_async(
         self, dst: HostBuffer | torch.Tensor, src: int, nbytes: int, stream: Stream, dst_offset: int = 0
@@ -556,13 +565,16 @@ class EmulatedRuntime(Runtime):
 
     def timed_stats(self) -> dict[str, float]:
         """Timed mode: kernels placed, those that had no `duration_s` (placed at the fallback
-        duration), and the modelled seconds they occupy the GPU (summed over kernels)."""
+        duration), the modelled seconds they occupy the GPU (summed over kernels), and the bytes of
+        pageable uploads staged on the host with the host seconds it took (`pageable.py`)."""
         with self._place_lock:
             return {
                 "kernels": self._timed_kernels,
                 "fallback_kernels": self._fallback_kernels,
                 "fallback_kernel_s": self.spec.fallback_kernel_s,
                 "kernel_seconds": self._kernel_seconds,
+                "pageable_staged_bytes": self._stager.staged_bytes,
+                "pageable_staging_s": self._stager.staging_seconds,
             }
 
     def view(

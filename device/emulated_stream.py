@@ -121,14 +121,17 @@ class EmulatedStream(Stream):
         marker: Marker | None = None,
         on_idle: Callable[[float], None] | None = None,
         inline: bool = False,
+        issued_at: float | None = None,
     ) -> int:
         """Queue `fn(ready) -> end`; `on_idle(ready)` runs at once, here, if the stream is idle. In
-        timed mode an `inline` operation on an idle stream runs here, at once (`fn` must not block)."""
+        timed mode an `inline` operation on an idle stream runs here, at once (`fn` must not block).
+        `issued_at`: when the operation was issued, if not now (an operation whose issue took host
+        time that its device side overlaps, a pageable copy's staging)."""
         with self._lock:
             if self._destroyed:
                 raise DeviceError(f"stream {self.id} has been destroyed")
             self._issued = seq = self._issued + 1
-            issued = time.perf_counter()
+            issued = time.perf_counter() if issued_at is None else issued_at
             if marker is not None:
                 marker.seq = seq
             idle = not self._queue and not self._busy
@@ -150,7 +153,7 @@ class EmulatedStream(Stream):
             self._work.notify()
             return op.seq
 
-    def enqueue_copy(self, engine: CopyEngine, job: CopyJob) -> int:
+    def enqueue_copy(self, engine: CopyEngine, job: CopyJob, issued_at: float | None = None) -> int:
         submitted = False
 
         def submit(ready: float) -> None:
@@ -167,7 +170,7 @@ class EmulatedStream(Stream):
                 raise job.error
             return job.end
 
-        return self.enqueue(run, on_idle=submit)
+        return self.enqueue(run, on_idle=submit, issued_at=issued_at)
 
     @property
     def tail(self) -> float:
