@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from functools import partial
 
 from streambox.device import Event, Runtime, Stream
-from streambox.kernel_compiler.cost_model import launch_durations
 from streambox.kernel_compiler.plan import Kernel
 from streambox.memory_pool.access_schedule import AccessSchedule, KernelStep
 from streambox.memory_pool.mapping_table import HeldBuffer, MappingEntry, MappingTable, RecycledAccess
@@ -58,7 +57,7 @@ from .device_model import (
     upload_model,
 )
 from .device_tensor import DeviceTensor
-from .plan_program import ELEMENTS_PER_BLOCK, KernelCalls, PlanProgram, RunInputs, plan_key
+from .plan_program import ELEMENTS_PER_BLOCK, KernelCalls, PlanProgram, ProgramCache, RunInputs, plan_key
 from .run_result import RunResult, RunStats
 
 __all__ = [
@@ -157,6 +156,7 @@ class PlanExecutor:
         self._instances: dict[Hashable, _Instance] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._programs = ProgramCache(self._device_name)
 
     @classmethod
     def for_mode(
@@ -189,11 +189,10 @@ class PlanExecutor:
         return got
 
     def _program(self, model: DeviceModel) -> PlanProgram:
-        """The model's program with its kernels' GPU times on this device (timed mode), once per model."""
+        """The model's program with its kernels' GPU times on this device (timed mode), once per plan:
+        weights loaded again after their keep-alive are a new DeviceModel of the same plan."""
         if model._program is None:
-            durations = launch_durations(model.plan, self._device_name)
-            known = durations if all(d is not None for d in durations) else None
-            model._program = PlanProgram.of(model.plan, known)  # type: ignore[arg-type]
+            model._program = self._programs.get(model.plan)
         return model._program
 
     def _enter(

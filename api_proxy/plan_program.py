@@ -16,6 +16,8 @@ tensor over a released and re-reserved chunk is never reused.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -24,6 +26,7 @@ import torch
 
 from streambox.device import Runtime
 from streambox.kernel_compiler.argcodec import var_names
+from streambox.kernel_compiler.cost_model import launch_durations
 from streambox.kernel_compiler.ops import bind_kernel, invoke_kernel
 from streambox.kernel_compiler.plan import Kernel, KernelPlan, VarSpec
 from streambox.memory_pool.access_schedule import AccessSchedule
@@ -35,6 +38,9 @@ ELEMENTS_PER_BLOCK = 1024
 
 #: Bound calls kept per kernel: a warm instance's buffers come back at one of a few address sets.
 CALLS_PER_KERNEL = 2
+
+#: Plans whose programs an executor keeps (a proxy serves a few models and input shapes).
+PROGRAMS_KEPT = 64
 
 #: The variables a run allocates and recycles (inputs belong to the caller, weights to the model).
 MANAGED_KINDS = ("intermediate", "output")
@@ -218,3 +224,34 @@ class KernelCalls:
         for out, view in invoke_kernel(producer, env).items():
             self._tensors[(out, address)] = view
         return self._tensors[(name, address)]
+
+
+class ProgramCache:
+    """Each plan's program with its kernels' GPU times on one device, made once per plan object and
+    kept for the `PROGRAMS_KEPT` plans used last. Weights freed after their keep-alive and loaded
+    again are a new `DeviceModel` of the same plan: its program is not made again. An entry holds its
+    plan, so the plan's id is not reused while it is cached. Thread-safe."""
+
+    def __init__(self, device_name: str, limit: int = PROGRAMS_KEPT) -> None:
+        self.device_name = device_name  # which preset's kernel times apply
+        self.limit = limit
+        self._programs: OrderedDict[int, tuple[KernelPlan, PlanProgram]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, plan: KernelPlan) -> PlanProgram:
+        with self._lock:
+            cached = self._programs.get(id(plan))
+            if cached is not None:
+                self._programs.move_to_end(id(plan))
+                return cached[1]
+        durations = launch_durations(plan, self.device_name)
+        known = durations if all(d is not None for d in durations) else None
+        program = PlanProgram.of(plan, known)  # type: ignore[arg-type]
+        with self._lock:
+            self._programs[id(plan)] = (plan, program)
+            while len(self._programs) > self.limit:
+                self._programs.popitem(last=False)
+        return program
+
+    def __len__(self) -> int:
+        return len(self._programs)

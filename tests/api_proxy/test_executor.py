@@ -196,6 +196,23 @@ def test_a_warm_instance_keeps_its_registrations_and_holds_nothing_between_runs(
     assert executor.release_instance("f1") == 0 and executor.instances() == []
 
 
+def test_weights_loaded_again_run_the_same_program_and_still_match_eager_torch(pool, zoo_model, runtime):
+    """A model whose weights were freed (keep-alive) and uploaded again is a new DeviceModel of the same
+    plan: the executor does not make its program again, and the run reads the new weights."""
+    plan, mem, stream, model, x, handle = _setup(pool, runtime)
+    executor = PlanExecutor(runtime, mem)
+    first = executor.run(model, {"x": handle}, stream, instance="f1")
+    mem.free_many([t.address for t in first.outputs.values()], stream)
+    free_model(model, mem, stream)
+    again = upload_model(runtime, plan, mem, stream)
+    result = executor.run(again, {"x": handle}, stream, instance="f1")
+    assert again is not model and again._program is model._program
+    got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+    torch.testing.assert_close(got, _eager(zoo_model, "resnet18", x)[0], **_tolerance(got.dtype))
+    other = pool.get_or_lower("resnet18", 2, get_entry("resnet18").small_input_shape)
+    assert executor._programs.get(other) is not model._program  # another plan, its own program
+
+
 def test_a_warm_instance_calls_what_it_bound_and_binds_again_after_the_pool_gave_memory_back(
     pool, zoo_model, runtime
 ):
