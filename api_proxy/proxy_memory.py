@@ -110,6 +110,8 @@ class MemoryOptions:
     min_scaler_period_s: float = 5e-3
     headroom_bytes: int = 0
     sweep_period_s: float = 0.02
+    # The scaler's period while nothing runs and the pool does not move; a run or a free wakes it.
+    scaler_idle_period_s: float = 0.1
     profiles: bool = True  # off: Algorithm 1 without profiles (an ablation: every function unprofiled)
 
 
@@ -154,7 +156,13 @@ class ProxyMemory:
                 quantum_bytes=options.pool.chunk_bytes,
                 headroom_bytes=options.headroom_bytes,
             )
-            self.scaler = ResilientScaler(self.pool, self.board, config=config, period_s=self.timing.period_s)
+            self.scaler = ResilientScaler(
+                self.pool,
+                self.board,
+                config=config,
+                period_s=self.timing.period_s,
+                idle_period_s=max(options.scaler_idle_period_s, self.timing.period_s),
+            )
         for profile in profiles if options.profiles else ():  # off: the scaler runs without any
             self.add_profile(profile)
         self._threads: list[PeriodicThread] = [
@@ -212,8 +220,10 @@ class ProxyMemory:
         }
 
     def _sweep(self) -> None:
-        self.models.expire()
-        self.pool.collect()
+        expired = self.models.expire()
+        collected = self.pool.collect()
+        if (expired or collected) and self.scaler is not None:
+            self.scaler.wake()  # the pool may shrink now
 
     def start(self) -> ProxyMemory:
         if not self._started:
@@ -239,6 +249,7 @@ class ProxyMemory:
     ) -> RunResult:
         """One request of `instance`: shared weights in, the plan run, the weights released after it."""
         if self.scaler is not None:
+            self.scaler.wake()  # it may be waiting out an idle period: this run changes the target
             if self.ensure_profile(plan):
                 self.profiled_runs += 1
             else:

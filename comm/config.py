@@ -28,6 +28,8 @@ class StoreConfig:
       bursts; the paper uses "a part" without a figure).
     - `tick_s`: period of the background ticker (pressure check, TTL and lease expiry, global-table
       sync when due); half the window, so that data moves before the window it was predicted for.
+    - `idle_tick_s`: the ticker's period while the store holds no data and no lease (nothing can
+      expire or move; a PUT wakes it at once): an idle proxy does not wake 100 times a second.
     - `default_ttl_s`: TTL of a PUT that names none (None: data without consumers lives until
       deleted). A TTL bounds what a consumer that dies before its GET can leak.
     - `lease_ttl_s`: a GET's handle is force-released after this long (a reader that dies while
@@ -42,6 +44,7 @@ class StoreConfig:
     capacity_fraction: float = 0.5
     window_s: float = 0.02
     tick_s: float = 0.01
+    idle_tick_s: float = 0.1
     static_capacity: float = math.inf
     default_ttl_s: float | None = 600.0
     lease_ttl_s: float = 600.0
@@ -59,6 +62,8 @@ class StoreConfig:
                      "rpc_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.idle_tick_s >= self.tick_s:
+            raise ValueError(f"idle_tick_s must be >= tick_s ({self.tick_s}), got {self.idle_tick_s}")
         if self.default_ttl_s is not None and not self.default_ttl_s > 0:
             raise ValueError(f"default_ttl_s must be > 0 or None, got {self.default_ttl_s}")
         if self.static_capacity < 0:

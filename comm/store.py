@@ -155,6 +155,7 @@ class CommStore:
         self._move_lock = threading.Lock()  # one movement at a time (a move's allocation never reclaims)
         self._ticker: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # ends the ticker's idle wait: data arrived (or `close`)
         self._closed = False
         self.stats = StoreStats()
 
@@ -355,7 +356,13 @@ class CommStore:
         buf.leases += 1
         lease = _LeaseRecord(next(self._lease_ids), buf, owner, now + self.config.lease_ttl_s, ready)
         self._leases[lease.id] = lease
+        self._wake_ticker()
         return lease
+
+    def _wake_ticker(self) -> None:
+        """Something to expire or move exists now: the ticker leaves its idle period."""
+        if not self._wake.is_set():
+            self._wake.set()
 
     def _drop_lease(self, lease: _LeaseRecord) -> None:
         buf = lease.buffer
@@ -447,6 +454,7 @@ class CommStore:
             if old is not None:
                 self._remove(old, "overwritten")
             self._items[key] = item
+            self._wake_ticker()
             self._gone.pop(key, None)
             self.table.set(self._location(item))
             self.stats.puts += 1
@@ -866,7 +874,7 @@ class CommStore:
         """One round of housekeeping: expiry, pressure-driven movement (PA), global sync when due."""
         now = self.clock() if now is None else now
         self.expire(now)
-        if self.config.pressure_aware:
+        if self.config.pressure_aware and self._items:  # nothing stored: nothing to move
             self.rebalance(now)
         if self._view is not None and self._view.due(now):
             self.sync_global(now)
@@ -880,7 +888,14 @@ class CommStore:
         return self
 
     def _tick_loop(self) -> None:
-        while not self._stop.wait(self.config.tick_s):
+        """`tick` every `tick_s` while the store holds data or leases, every `idle_tick_s` while it
+        holds neither (nothing can expire or move; a PUT or a lease wakes it)."""
+        config = self.config
+        while not self._stop.is_set():
+            self._wake.wait(config.tick_s if self._items or self._leases else config.idle_tick_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.tick()
             except Exception:  # the ticker must survive one bad round; the error is logged
@@ -891,6 +906,7 @@ class CommStore:
         if self._closed:
             return
         self._stop.set()
+        self._wake.set()
         if self._ticker is not None:
             self._ticker.join()
         with self._cond:

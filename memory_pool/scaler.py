@@ -126,13 +126,18 @@ class ResilientScaler:
         config: ScalingConfig | None = None,
         *,
         period_s: float | None = None,
+        idle_period_s: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
         history: int = 10_000,
     ) -> None:
+        """`idle_period_s`: the thread's period while nothing runs and the pool did not move (None:
+        `period_s` always); `wake()` ends such a wait when a run starts or memory was freed."""
         self.pool = pool
         self.board = board
         self.config = config or ScalingConfig()
         self.period_s = period_s if period_s is not None else self.config.t_interval_s / 2
+        self.idle_period_s = idle_period_s
+        self._last_state: tuple[int, int] | None = None
         self.clock = clock
         self._profiles: dict[ProfileKey, ModelProfile] = {}
         for p in profiles.values() if isinstance(profiles, Mapping) else profiles:
@@ -169,9 +174,29 @@ class ResilientScaler:
         self.decisions.append((now, decision))
         return decision
 
+    def idle(self) -> bool:
+        """After a step: no function runs and the pool's reserved and demanded bytes are those of the
+        step before, so the next step would decide the same (Algorithm 1 without positions depends on
+        those two only). Records the state for the next call."""
+        state = (self.pool.reserved_bytes, self.pool.demand_bytes)
+        idle = not len(self.board) and state == self._last_state
+        self._last_state = state
+        return idle
+
+    def wake(self) -> None:
+        """Step now if the thread is waiting out its idle period (a run starts, memory was freed)."""
+        if self._thread is not None:
+            self._thread.wake()
+
     def start(self) -> ResilientScaler:
         if self._thread is None:
-            self._thread = PeriodicThread("streambox-pool-scaler", self.period_s, self.step).start()
+            self._thread = PeriodicThread(
+                "streambox-pool-scaler",
+                self.period_s,
+                self.step,
+                idle=self.idle,
+                idle_period_s=self.idle_period_s,
+            ).start()
         return self
 
     def stop(self) -> None:

@@ -484,3 +484,20 @@ def test_watch_calls_back_once_after_the_keys_put_at_once_if_present_and_can_be_
     assert seen == ["a"]  # one-shot
     store.watch("w/a", lambda: seen.append("again"))  # present now: called at once
     assert seen == ["a", "again"]
+
+
+def test_an_idle_ticker_wakes_for_data_that_arrives(make_store):
+    """With nothing stored the ticker waits its idle period (here far longer than the test); a PUT
+    wakes it, so a short TTL is still enforced by the background ticker within a few ticks."""
+    store = make_store(config=StoreConfig(capacity_fraction=1.0, tick_s=0.005, idle_tick_s=60.0)).start()
+    time.sleep(0.05)  # the ticker's first wait began with an empty store: the idle period
+    store.put("k", data(100), device=0, consumers=1, ttl=0.05)
+    deadline = time.monotonic() + 5
+    while store.keys() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.keys() == []  # expired by the ticker, not 60 s later
+
+
+def test_idle_tick_must_not_be_shorter_than_the_tick():
+    with pytest.raises(ValueError, match="idle_tick_s"):
+        StoreConfig(tick_s=0.01, idle_tick_s=0.001)

@@ -164,3 +164,38 @@ def test_periodic_thread_survives_errors() -> None:
         time.sleep(0.001)
     t.stop()
     assert len(calls) >= 3 and t.errors == 1 and str(t.last_error) == "boom" and not t.running
+
+
+def test_the_scaler_is_idle_only_when_nothing_runs_and_the_pool_did_not_move() -> None:
+    board = PositionBoard()
+    pool = FakePool(reserved=4 * MiB, demand=4 * MiB)
+    scaler = ResilientScaler(pool, board, [A], EXACT, clock=Clock(0.0), idle_period_s=1.0)
+    scaler.step()
+    assert not scaler.idle()  # the first look: nothing to compare with
+    scaler.step()
+    assert scaler.idle()  # nothing runs, nothing moved: the next step would decide the same
+    pool.demand_bytes = 2 * MiB  # weights freed by their keep-alive
+    scaler.step()
+    assert not scaler.idle()
+    board.update("f1", "a", 1, 0, 0.0, held_bytes=1 * MiB)
+    scaler.step()
+    assert not scaler.idle()  # a function runs
+
+
+def test_an_idle_periodic_thread_waits_its_idle_period_and_wakes_at_once() -> None:
+    calls = []
+    t = PeriodicThread(
+        "t", 0.001, lambda: calls.append(time.monotonic()), idle=lambda: True, idle_period_s=60.0
+    )
+    t.start()
+    time.sleep(0.1)
+    assert len(calls) == 1 and t.idle_iterations == 1  # one call, then the idle period
+    woken = time.monotonic()
+    t.wake()
+    deadline = woken + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    t.stop()
+    assert len(calls) == 2 and calls[1] - woken < 1.0 and not t.running
+    with pytest.raises(ValueError, match="idle_period_s"):
+        PeriodicThread("t", 0.01, lambda: None, idle=lambda: True, idle_period_s=0.001)
