@@ -53,9 +53,9 @@ class PageableStager:
             for offset in range(0, nbytes, chunk):
                 n = min(chunk, nbytes - offset)
                 scratch[:n].copy_(source[offset : offset + n])
-        staged = time.perf_counter()
-        self.staged_bytes += nbytes
-        self.staging_seconds += staged - started
+            staged = time.perf_counter()
+            self.staged_bytes += nbytes
+            self.staging_seconds += staged - started
         return staged, nbytes - (nbytes - 1) // chunk * chunk
 
 
