@@ -163,6 +163,7 @@ class ProxyMemory:
                 period_s=self.timing.period_s,
                 idle_period_s=max(options.scaler_idle_period_s, self.timing.period_s),
             )
+            self.board.on_arrival = self.scaler.wake  # a run's first kernel ends an idle wait
         for profile in profiles if options.profiles else ():  # off: the scaler runs without any
             self.add_profile(profile)
         self._threads: list[PeriodicThread] = [
@@ -249,7 +250,6 @@ class ProxyMemory:
     ) -> RunResult:
         """One request of `instance`: shared weights in, the plan run, the weights released after it."""
         if self.scaler is not None:
-            self.scaler.wake()  # it may be waiting out an idle period: this run changes the target
             if self.ensure_profile(plan):
                 self.profiled_runs += 1
             else:

@@ -63,13 +63,17 @@ class ResizablePool(Protocol):
 class PositionBoard:
     """Live functions' plan positions: instance -> (model, batch, kernel, issued_at, held_bytes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_arrival: Callable[[], None] | None = None) -> None:
         self._positions: dict[Hashable, tuple[str, int, int, float, int]] = {}
+        self.on_arrival = on_arrival  # called when a function appears on the board (wakes the scaler)
 
     def update(
         self, instance: Hashable, model: str, batch: int, kernel: int, started_at: float, held_bytes: int = 0
     ) -> None:
-        self._positions[instance] = (model, batch, kernel, started_at, held_bytes)
+        positions = self._positions
+        if instance not in positions and self.on_arrival is not None:
+            self.on_arrival()
+        positions[instance] = (model, batch, kernel, started_at, held_bytes)
 
     def remove(self, instance: Hashable) -> None:
         self._positions.pop(instance, None)
@@ -131,7 +135,8 @@ class ResilientScaler:
         history: int = 10_000,
     ) -> None:
         """`idle_period_s`: the thread's period while nothing runs and the pool did not move (None:
-        `period_s` always); `wake()` ends such a wait when a run starts or memory was freed."""
+        `period_s` always); `wake()` ends such a wait (a function appears on the board: give it
+        `board.on_arrival`; memory was freed)."""
         self.pool = pool
         self.board = board
         self.config = config or ScalingConfig()

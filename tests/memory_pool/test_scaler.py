@@ -199,3 +199,21 @@ def test_an_idle_periodic_thread_waits_its_idle_period_and_wakes_at_once() -> No
     assert len(calls) == 2 and calls[1] - woken < 1.0 and not t.running
     with pytest.raises(ValueError, match="idle_period_s"):
         PeriodicThread("t", 0.01, lambda: None, idle=lambda: True, idle_period_s=0.001)
+
+
+def test_a_function_arriving_on_the_board_wakes_an_idle_scaler() -> None:
+    board = PositionBoard()
+    pool = FakePool(reserved=4 * MiB, demand=4 * MiB)
+    scaler = ResilientScaler(pool, board, [A], EXACT, period_s=0.001, idle_period_s=60.0)
+    board.on_arrival = scaler.wake
+    scaler.start()
+    deadline = time.monotonic() + 5
+    while scaler.thread is not None and scaler.thread.idle_iterations == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    steps = len(scaler.decisions)
+    board.update("f1", "a", 1, 0, time.perf_counter(), held_bytes=1 * MiB)  # a run's first kernel
+    board.update("f1", "a", 1, 1, time.perf_counter(), held_bytes=1 * MiB)  # not an arrival
+    while len(scaler.decisions) == steps and time.monotonic() < deadline:
+        time.sleep(0.001)
+    scaler.stop()
+    assert len(scaler.decisions) > steps  # stepped within the test, not 60 s later
