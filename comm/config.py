@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from .quota import StoreQuota
 
 MiB = 1 << 20
+IDLE_TICK_S = 0.1  # the ticker's default period while the store holds nothing
 
 #: Predicted idle memory of a GPU: (gpu index, now, window seconds) -> bytes that the running
 #: functions will not need during [now, now + window]. The memory pool's demand model provides it.
@@ -29,7 +30,8 @@ class StoreConfig:
     - `tick_s`: period of the background ticker (pressure check, TTL and lease expiry, global-table
       sync when due); half the window, so that data moves before the window it was predicted for.
     - `idle_tick_s`: the ticker's period while the store holds no data and no lease (nothing can
-      expire or move; a PUT wakes it at once): an idle proxy does not wake 100 times a second.
+      expire or move; a PUT wakes it at once): an idle proxy does not wake 100 times a second. None:
+      `max(IDLE_TICK_S, tick_s)` (`idle_period_s`).
     - `default_ttl_s`: TTL of a PUT that names none (None: data without consumers lives until
       deleted). A TTL bounds what a consumer that dies before its GET can leak.
     - `lease_ttl_s`: a GET's handle is force-released after this long (a reader that dies while
@@ -44,7 +46,7 @@ class StoreConfig:
     capacity_fraction: float = 0.5
     window_s: float = 0.02
     tick_s: float = 0.01
-    idle_tick_s: float = 0.1
+    idle_tick_s: float | None = None
     static_capacity: float = math.inf
     default_ttl_s: float | None = 600.0
     lease_ttl_s: float = 600.0
@@ -62,7 +64,7 @@ class StoreConfig:
                      "rpc_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.idle_tick_s >= self.tick_s:
+        if self.idle_tick_s is not None and not self.idle_tick_s >= self.tick_s:
             raise ValueError(f"idle_tick_s must be >= tick_s ({self.tick_s}), got {self.idle_tick_s}")
         if self.default_ttl_s is not None and not self.default_ttl_s > 0:
             raise ValueError(f"default_ttl_s must be > 0 or None, got {self.default_ttl_s}")
@@ -70,6 +72,11 @@ class StoreConfig:
             raise ValueError(f"static_capacity must be >= 0, got {self.static_capacity}")
         if self.rpc_chunk_bytes < 1 or self.rpc_pipeline < 1:
             raise ValueError("rpc_chunk_bytes and rpc_pipeline must be >= 1")
+
+    @property
+    def idle_period_s(self) -> float:
+        """The ticker's period while the store holds nothing (`idle_tick_s`, or its default)."""
+        return self.idle_tick_s if self.idle_tick_s is not None else max(IDLE_TICK_S, self.tick_s)
 
     def ablation(self, pa: bool, am: bool) -> StoreConfig:
         """This configuration with PA and AM set (the paper's Fig. 16 right)."""

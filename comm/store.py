@@ -888,11 +888,11 @@ class CommStore:
         return self
 
     def _tick_loop(self) -> None:
-        """`tick` every `tick_s` while the store holds data or leases, every `idle_tick_s` while it
+        """`tick` every `tick_s` while the store holds data or leases, every `idle_period_s` while it
         holds neither (nothing can expire or move; a PUT or a lease wakes it)."""
         config = self.config
         while not self._stop.is_set():
-            self._wake.wait(config.tick_s if self._items or self._leases else config.idle_tick_s)
+            self._wake.wait(config.tick_s if self._items or self._leases else config.idle_period_s)
             self._wake.clear()
             if self._stop.is_set():
                 return

@@ -501,3 +501,9 @@ def test_an_idle_ticker_wakes_for_data_that_arrives(make_store):
 def test_idle_tick_must_not_be_shorter_than_the_tick():
     with pytest.raises(ValueError, match="idle_tick_s"):
         StoreConfig(tick_s=0.01, idle_tick_s=0.001)
+
+
+def test_the_idle_tick_defaults_to_no_less_than_the_tick():
+    assert StoreConfig().idle_period_s == 0.1
+    assert StoreConfig(tick_s=0.25).idle_period_s == 0.25  # a slowed ticker (bench_comm's dilation)
+    assert StoreConfig(tick_s=0.01, idle_tick_s=2.0).idle_period_s == 2.0
