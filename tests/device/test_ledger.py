@@ -219,3 +219,32 @@ def test_an_expired_record_of_another_context_that_our_write_replaced_blocks_not
     assert ours.place_busy(mine, False, 8.0, 3.0, _fit_at_ready(8.0, 1.0)) == (8.0, 9.0, 1)
     # their interval is gone from the ledger: a kernel ready at 1.5 starts at 1.5, not after it
     assert ours.place_busy(mine, False, 1.5, 3.0, _fit_at_ready(1.5, 0.25)) == (1.5, 1.75, 1)
+
+
+def test_the_link_skips_a_dead_owners_copy_and_checks_a_live_one_once_per_ttl(tmp_path, monkeypatch):
+    """A copy in flight whose process died shares the link with nobody; a live foreign owner is checked
+    (a signal and a read of /proc, ~15 us) once per `LIVENESS_TTL_S`, not once per flow and call."""
+    import streambox.device.ledger as ledger_module
+
+    ledger = Ledger.open(ledger_path(tmp_path, 0, "link", 1000), 1000)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with monkeypatch.context() as m:
+        m.setattr(os, "getpid", lambda: dead.pid)
+        ledger.link_join("h2d", 0.0, 10.0)  # a copy of a process that then died
+    flow, start, end = ledger.link_join("h2d", 0.0, 1.0)
+    assert (start, end) == (0.0, 1.0)  # alone on the link: the dead copy takes no share
+    assert ledger.link_poll("h2d", flow, 2.0) == (True, 1.0)
+
+    checks = []
+    alive = ledger_module.process_alive
+    monkeypatch.setattr(ledger_module, "process_alive", lambda pid, *a: checks.append(pid) or alive(pid, *a))
+    parent = os.getppid()
+    with monkeypatch.context() as m:
+        m.setattr(os, "getpid", lambda: parent)
+        foreign = [ledger.link_join("h2d", 10.0, 1.0)[0] for _ in range(3)]  # a live process's copies
+    ours, _, end = ledger.link_join("h2d", 10.0, 1.0)
+    assert end == pytest.approx(14.0)  # four copies share the link
+    ledger.link_poll("h2d", ours, 10.5)
+    assert checks.count(parent) == 1  # three flows, several calls: one check within the TTL
+    assert all(ledger.link_poll("h2d", f, 20.0)[0] for f in [*foreign, ours])
