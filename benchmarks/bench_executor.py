@@ -21,7 +21,10 @@ turns (eager, then the executor), so both see the same load on the machine:
 - issue while the device computes, and end to end: a run issued with the emulated device free to
   run (the worker competes with the issuing thread for the CPU and the GIL), until its `done` event.
 
-`--device-mode functional|timed` (default: both, where the emulated device accepts timed mode).
+`--device-mode functional|timed` (default: both, where the emulated device accepts timed mode);
+`--device-mode cuda`: the CUDA backend on GPU 0 instead (the baseline is then eager torch on that GPU:
+host time until `module(x)` returns, its kernels queued behind a sleep kernel; a held run waits behind
+one too, as `_hold` cannot block a GPU stream with a host-side gate).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from streambox.api_proxy.executor import (  # noqa: E402
     upload_model,
 )
 from streambox.config import default_model_pool  # noqa: E402
-from streambox.device import Runtime, Stream  # noqa: E402
+from streambox.device import BackendUnavailable, Runtime, Stream, get_backend  # noqa: E402
 from streambox.device.emulated import EmulatedBackend  # noqa: E402
 from streambox.device.specs import V100_16GB  # noqa: E402
 from streambox.kernel_compiler.model_pool import ModelPool  # noqa: E402
@@ -64,6 +67,8 @@ WARMUP = 3  # turns before the measured ones: the pool grows and the instance bi
 ALIGN = 512  # the null device's allocation granularity
 HOLD_LIMIT_S = 10.0  # a held stream is let go after this long whatever happens
 DEVICE_MODES = ("functional", "timed")
+CUDA_MODE = "cuda"  # not an emulated mode: the real GPU, only when asked for
+CUDA_HOLD_CYCLES = int(0.2 * 2.0e9)  # `torch.cuda._sleep`: ~0.2 s at a 2 GHz clock, longer than any issue
 GOAL_US, GOAL_RATIO = 15.0, 1.5  # docs/api_proxy.md: host time per kernel, absolute and vs eager
 
 
@@ -85,9 +90,14 @@ class _OpCounter(TorchDispatchMode):
 
 def _hold(rt: Runtime, holder: Stream, stream: Stream) -> threading.Event:
     """Make `stream` wait until the returned event is set (a host-side gate on another stream), so
-    that a run can be issued while the emulated device does nothing, as a GPU takes no host CPU."""
+    that a run can be issued while the emulated device does nothing, as a GPU takes no host CPU.
+    On the CUDA backend a launch runs its callable on the calling thread, so the gate is a sleep
+    kernel instead (the event is then only a formality)."""
     gate = threading.Event()
-    rt.launch(holder, lambda: gate.wait(HOLD_LIMIT_S), name="hold")
+    if rt.properties().backend == "cuda":
+        rt.launch(holder, lambda: torch.cuda._sleep(CUDA_HOLD_CYCLES), name="hold")
+    else:
+        rt.launch(holder, lambda: gate.wait(HOLD_LIMIT_S), name="hold")
     reached = rt.create_event(timing=False)
     reached.record(holder)
     stream.wait_event(reached)
@@ -149,6 +159,8 @@ def measure(rt: Runtime, pool: ModelPool, name: str, shape: tuple[int, ...] | No
     x = example_input(name, 1, shape)
     with torch.no_grad(), _OpCounter() as counter:
         module(x)
+    on_gpu = rt.properties().backend == "cuda"
+    gpu_module, gpu_x = (module.cuda(), x.cuda()) if on_gpu else (module, x)
     plan = pool.get_or_lower(name, 1, shape)
     mem = DeviceMemoryPool(rt)
     stream, holder = rt.create_stream(), rt.create_stream()
@@ -165,10 +177,14 @@ def measure(rt: Runtime, pool: ModelPool, name: str, shape: tuple[int, ...] | No
         mem.free_many([t.address for t in result.outputs.values()], stream)
 
     for i in range(repeats + WARMUP):
+        if on_gpu:  # host time of eager dispatch: its kernels wait behind a sleep, as the held run's do
+            torch.cuda._sleep(CUDA_HOLD_CYCLES)
         started = time.perf_counter()
         with torch.no_grad():
-            module(x)
+            gpu_module(gpu_x)
         eager = time.perf_counter() - started
+        if on_gpu:
+            torch.cuda.synchronize()
         started = time.perf_counter()
         running = run()
         finish(running)
@@ -223,7 +239,13 @@ def _figures(
 def open_runtime(mode: str, state: Path) -> Runtime | None:
     """An emulated device in `mode` (the `STREAMBOX_DEVICE_MODE` environment variable, and the
     backend's `device_mode`/`mode` argument where it has one), or None when the device it opened
-    does not say it runs in `mode` (a build without timed mode)."""
+    does not say it runs in `mode` (a build without timed mode); `cuda`: GPU 0."""
+    if mode == CUDA_MODE:
+        try:
+            return get_backend("cuda").open_runtime(0)
+        except BackendUnavailable as exc:
+            print(f"cuda: {str(exc).splitlines()[0][:200]}")
+            return None
     spec = V100_16GB.with_overrides(context_create_s=0.0)
     params = inspect.signature(EmulatedBackend).parameters
     kwargs = {p: mode for p in ("device_mode", "mode") if p in params}
@@ -245,6 +267,12 @@ def open_runtime(mode: str, state: Path) -> Runtime | None:
     return rt
 
 
+def _device_words(mode: str) -> str:
+    if mode == CUDA_MODE:
+        return "CUDA backend, eager torch on the same GPU"
+    return f"emulated device, {mode} mode"
+
+
 def print_mode(mode: str, results: list[dict], repeats: int) -> None:
     if not results:
         return
@@ -257,7 +285,7 @@ def print_mode(mode: str, results: list[dict], repeats: int) -> None:
         for r in results
     ]
     print_table(
-        f"Host time per kernel: plan executor vs eager torch (emulated device, {mode} mode, batch 1, small "
+        f"Host time per kernel: plan executor vs eager torch ({_device_words(mode)}, batch 1, small "
         f"inputs, median of {repeats} turns; goal: host p50 <= {GOAL_US:.0f} us and <= {GOAL_RATIO}x eager)",
         ["model", "kernels", "eager ops", "eager us/op (baseline)", "executor host us/kernel p50", "p90",
          "host/eager", "of which the executor's own", "issue us/kernel, device computing", "eager ms",
@@ -270,8 +298,9 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--models", nargs="*", help="zoo models (default: all; --quick: a few)")
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--device-mode", choices=DEVICE_MODES, action="append",
-                   help="emulated device mode(s) to measure (default: every one the device accepts)")
+    p.add_argument("--device-mode", choices=(*DEVICE_MODES, CUDA_MODE), action="append",
+                   help="emulated device mode(s) to measure (default: every one the device accepts), "
+                   "or cuda: the CUDA backend on GPU 0")
     args = p.parse_args()
     names = args.models or (QUICK_MODELS if args.quick else sorted(ZOO))
     repeats = args.repeats or (10 if args.quick else 20)
@@ -292,7 +321,7 @@ def main() -> int:
     for mode in modes:
         print_mode(mode, [r for r in results if r["device_mode"] == mode], repeats)
     for mode in skipped:
-        print(f"{mode} mode: not measured, this emulated device has no such mode")
+        print(f"{mode} mode: not measured, this machine has no such device")
     config = {"quick": args.quick, "repeats": repeats, "models": names, "device_modes": modes}
     write_json(args.json, "executor", {**config, "skipped": skipped}, results)
     return 0

@@ -22,6 +22,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from . import argcodec, cost_model
+from .ops import DEVICE_SIZED_OUTPUTS
 from .plan import SCHEMA_VERSION, Kernel, KernelPlan, VarSpec
 from .zoo import build_model, example_input, get_entry
 
@@ -226,6 +227,10 @@ class _Builder:
             return Kernel(node.name, str(op), "view", args, kwargs, names, source_op=str(op))
         for n, v in zip(names, vals, strict=True):
             self.vars[n] = _spec(n, "intermediate", v)
+        for index, arg in DEVICE_SIZED_OUTPUTS.get(str(op), {}).items():  # sized for CUDA's kernel
+            like = node.args[arg].meta["val"]
+            sized = torch.empty(like.shape, dtype=vals[index].dtype, device="meta")
+            self.vars[names[index]] = _spec(names[index], "intermediate", sized)
         out = find_out_overload(op)
         if out is None:
             return Kernel(

@@ -12,6 +12,7 @@ second discards its copy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import registry
+from .calibration import CALIBRATION_DIR
 from .lowering import lower_model
 from .memory_profile import MemoryProfile, profile_plan
-from .plan import PLAN_FILE, KernelPlan
+from .plan import PLAN_FILE, KernelPlan, StalePlan
 from .zoo import ZOO, ModelEntry, UnknownModelError
 
 PROFILE_FILE = "memory_profile.json"
@@ -89,6 +91,11 @@ class ModelPool:
         entry = self.entry(model)
         shape = tuple(input_shape) if input_shape is not None else entry.input_shape
         final = self.path_for(model, batch, shape)
+        if (final / PLAN_FILE).exists():
+            try:
+                return KernelPlan.load(final)
+            except StalePlan:
+                _retire(final)
         if not (final / PLAN_FILE).exists():
             plan = self._lower_entry(entry, batch, shape)
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +103,7 @@ class ModelPool:
             try:
                 plan.save(tmp)
                 (tmp / PROFILE_FILE).write_text(profile_plan(plan).to_json())
+                _adopt_calibration(final.with_name(final.name + STALE_SUFFIX), tmp)
                 os.rename(tmp, final)
             except OSError:
                 if not (final / PLAN_FILE).exists():
@@ -146,3 +154,22 @@ class ModelPool:
         record = registry.find(self.root, entry.name)
         assert record is not None  # entry() just found it
         return registry.lower_registered(self.root, record, batch, shape)
+
+
+#: A stale plan's folder is moved here while the model is lowered again (its calibration tables, which
+#: name the kernels they time and are checked on read, move to the new plan).
+STALE_SUFFIX = ".stale"
+
+
+def _retire(final: Path) -> None:
+    """Move a stale plan out of the way (another process may have done it already)."""
+    stale = final.with_name(final.name + STALE_SUFFIX)
+    shutil.rmtree(stale, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.rename(final, stale)
+
+
+def _adopt_calibration(stale: Path, fresh: Path) -> None:
+    if (stale / CALIBRATION_DIR).is_dir() and not (fresh / CALIBRATION_DIR).exists():
+        shutil.copytree(stale / CALIBRATION_DIR, fresh / CALIBRATION_DIR)
+    shutil.rmtree(stale, ignore_errors=True)

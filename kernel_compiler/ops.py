@@ -19,6 +19,15 @@ from . import argcodec
 from .argcodec import DeviceArg, VarRef
 from .plan import Kernel
 
+#: Outputs whose shape depends on the device's kernel, by the op they were lowered from: output index ->
+#: the argument whose shape CUDA's kernel gives it. Eval batch norm's save_mean/save_invstd are nobody's
+#: input, but CUDA's kernel (`batch_norm_cuda_out`) resizes them to the channels and uses them as scratch,
+#: where the CPU's and the meta kernel (which `torch.export` records) leave them empty. The lowering sizes
+#: them for CUDA (so the pool holds their bytes); on any other device the call gets an empty view of them.
+DEVICE_SIZED_OUTPUTS: dict[str, dict[int, int]] = {
+    "aten._native_batch_norm_legit_no_training.default": {1: 3, 2: 3},
+}
+
 
 @functools.cache
 def resolve_op(name: str) -> torch._ops.OpOverload:
@@ -92,5 +101,7 @@ def bind_kernel(kernel: Kernel, env: Mapping[str, torch.Tensor]) -> Callable[[],
                 dst.copy_(src)
 
         return call_and_copy
+    if device.type != "cuda" and (sized := DEVICE_SIZED_OUTPUTS.get(kernel.source_op)):
+        outs = [t[:0] if i in sized else t for i, t in enumerate(outs)]
     kwargs.update(zip(kernel.out_args, outs, strict=True))
     return functools.partial(op, *args, **kwargs)

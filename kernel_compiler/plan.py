@@ -31,11 +31,15 @@ from . import cost_model
 from .argcodec import dtype_from_name
 from .calibration import read_calibration
 
-SCHEMA_VERSION = 2
-#: Older schemas that load by recomputing what they lack (1: no kernel costs).
-_UPGRADABLE = {1}
+#: 3: eval batch norm's save_mean/save_invstd sized for CUDA's kernel (`ops.DEVICE_SIZED_OUTPUTS`);
+#: 2: kernel costs. An older plan is stale: the model pool lowers it again.
+SCHEMA_VERSION = 3
 PLAN_FILE = "plan.json"
 WEIGHTS_FILE = "weights.safetensors"
+
+class StalePlan(ValueError):
+    """A plan saved under an older schema: lower the model again (`ModelPool.get_or_lower` does)."""
+
 
 VAR_KINDS = ("input", "weight", "intermediate", "output", "view")
 STORAGE_KINDS = ("input", "weight", "intermediate", "output")
@@ -221,11 +225,9 @@ class KernelPlan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KernelPlan:
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION and version not in _UPGRADABLE:
-            raise ValueError(
-                f"plan schema version {version!r} is not {SCHEMA_VERSION} (loadable: "
-                f"{sorted({SCHEMA_VERSION, *_UPGRADABLE})}); lower again"
-            )
+        if version != SCHEMA_VERSION:
+            kind = StalePlan if isinstance(version, int) and version < SCHEMA_VERSION else ValueError
+            raise kind(f"plan schema version {version!r} is not {SCHEMA_VERSION}; lower again")
         plan = cls(
             model=d["model"],
             batch=d["batch"],
@@ -237,8 +239,6 @@ class KernelPlan:
             outputs=list(d["outputs"]),
             meta=dict(d.get("meta", {})),
         )
-        if version == 1:  # saved before kernels had costs: compute them from the plan itself
-            cost_model.annotate_costs(plan)
         return plan
 
     def save(self, directory: Path | str) -> Path:

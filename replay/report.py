@@ -294,10 +294,10 @@ def _ratios(runs: list[Run]) -> list[dict[str, str]]:
         if other is ours or system not in PAPER_CLAIMS or _options(other) != _options(ours):
             continue
         claims = PAPER_CLAIMS[system]
-        mem = ours.metric("memory", "memory_used_bytes", "mean_bytes") / other.metric(
-            "memory", "memory_used_bytes", "mean_bytes")
-        thr = ours.metric("throughput_rps") / other.metric("throughput_rps")
-        p50 = ours.metric("latency_ms", "p50") / other.metric("latency_ms", "p50")
+        mem = _ratio(ours.metric("memory", "memory_used_bytes", "mean_bytes"),
+                     other.metric("memory", "memory_used_bytes", "mean_bytes"))
+        thr = _ratio(ours.metric("throughput_rps"), other.metric("throughput_rps"))
+        p50 = _ratio(ours.metric("latency_ms", "p50"), other.metric("latency_ms", "p50"))
         rows.append({
             "against": other.label,
             "mean memory (ours)": "n/a" if math.isnan(mem) else f"{(mem - 1) * 100:+.0f}%",
@@ -308,6 +308,12 @@ def _ratios(runs: list[Run]) -> list[dict[str, str]]:
             "latency (paper)": claims["latency"],
         })
     return rows
+
+
+def _ratio(ours: float, other: float) -> float:
+    """ours / other; NaN ("n/a" in the table) where the baseline measured nothing (a run whose every
+    request failed has no throughput or latency)."""
+    return ours / other if other else math.nan
 
 
 def _markdown(rows: list[dict[str, Any]]) -> str:

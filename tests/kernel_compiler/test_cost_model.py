@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from streambox.kernel_compiler import cost_model
 from streambox.kernel_compiler.cost_model import GpuPreset, KernelCost
 from streambox.kernel_compiler.lowering import lower_module
-from streambox.kernel_compiler.plan import PLAN_FILE, SCHEMA_VERSION, KernelPlan
+from streambox.kernel_compiler.plan import PLAN_FILE, SCHEMA_VERSION, KernelPlan, StalePlan
 from streambox.kernel_compiler.published_latency import PUBLISHED, UNPUBLISHED
 from streambox.kernel_compiler.zoo import ZOO, get_entry
 
@@ -129,7 +129,7 @@ def test_costs_survive_save_and_load(conv_linear, tmp_path: Path) -> None:
     _, _, plan = conv_linear
     plan.save(tmp_path)
     doc = json.loads((tmp_path / PLAN_FILE).read_text())
-    assert doc["schema_version"] == SCHEMA_VERSION == 2
+    assert doc["schema_version"] == SCHEMA_VERSION == 3
     assert all({"op_class", "flops", "bytes_read", "bytes_written"} <= k.keys() for k in doc["kernels"])
     loaded = KernelPlan.load(tmp_path)
     assert loaded == plan
@@ -137,23 +137,20 @@ def test_costs_survive_save_and_load(conv_linear, tmp_path: Path) -> None:
     assert loaded.kernel_seconds("v100-16gb") == plan.kernel_seconds("v100-16gb")
 
 
-def test_a_schema_1_plan_loads_with_its_costs_recomputed(conv_linear, tmp_path: Path) -> None:
+def test_a_plan_of_an_older_schema_is_stale_and_a_newer_one_is_refused(conv_linear, tmp_path: Path) -> None:
     _, _, plan = conv_linear
     plan.save(tmp_path)
     doc = json.loads((tmp_path / PLAN_FILE).read_text())
-    doc["schema_version"] = 1
-    for k in doc["kernels"]:
-        for field in ("op_class", "flops", "bytes_read", "bytes_written"):
-            del k[field]
+    doc["schema_version"] = SCHEMA_VERSION - 1
     (tmp_path / PLAN_FILE).write_text(json.dumps(doc))
-    old = KernelPlan.load(tmp_path)
-    assert old.schema_version == SCHEMA_VERSION
-    assert [cost_model.cost_of(k) for k in old.kernels] == [cost_model.cost_of(k) for k in plan.kernels]
-
+    with pytest.raises(StalePlan, match=rf"schema version {SCHEMA_VERSION - 1} is not {SCHEMA_VERSION}"):
+        KernelPlan.load(tmp_path)
     doc["schema_version"] = 99
     (tmp_path / PLAN_FILE).write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match=r"schema version 99 is not 2 \(loadable: \[1, 2\]\); lower again"):
+    newer = rf"schema version 99 is not {SCHEMA_VERSION}; lower again"
+    with pytest.raises(ValueError, match=newer) as raised:
         KernelPlan.load(tmp_path)
+    assert not isinstance(raised.value, StalePlan)
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable
 
@@ -12,6 +13,7 @@ from torch import nn
 from streambox.kernel_compiler import argcodec
 from streambox.kernel_compiler.lowering import find_out_overload, is_view_op, lower_module
 from streambox.kernel_compiler.model_pool import ModelPool
+from streambox.kernel_compiler.ops import invoke_kernel
 from streambox.kernel_compiler.plan import Kernel, KernelPlan
 from streambox.kernel_compiler.zoo import ZOO, example_input
 
@@ -76,6 +78,26 @@ def test_multi_output_op_uses_all_out_arguments(pool: ModelPool) -> None:
     assert values.dtype == "float32" and indices.dtype == "int64"
     # The indices are written and never read: one access, so the executor frees them at once.
     assert indices.expected_accesses == 1
+
+
+def test_eval_batch_norm_scratch_is_sized_for_cuda_and_empty_elsewhere(pool: ModelPool) -> None:
+    """CUDA's eval batch norm resizes save_mean/save_invstd to the channels (a GPU view cannot grow: the
+    first GPU run failed with 'Trying to resize storage that is not resizable'); the CPU's and the meta
+    kernel want them empty. The plan holds the channels' bytes; a CPU call gets empty views, so the
+    kernel resizes nothing (torch warns where an out tensor with elements is resized)."""
+    plan = pool.get_or_lower("resnet18", 1, (3, 32, 32))
+    op = "aten._native_batch_norm_legit_no_training.default"
+    kernel = next(k for k in plan.kernels if k.source_op == op)
+    running_mean = plan.variables[argcodec.var_names(kernel.args)[3]]
+    _, save_mean, save_invstd = (plan.variables[n] for n in kernel.outputs)
+    assert save_mean.shape == save_invstd.shape == running_mean.shape == [64]
+    assert save_mean.nbytes == save_invstd.nbytes == 64 * 4
+    env = {name: torch.randn(spec.shape) for name, spec in plan.variables.items() if spec.kind != "view"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = invoke_kernel(kernel, env)
+    assert outs[kernel.outputs[0]].shape == (1, 64, 16, 16)
+    assert outs[kernel.outputs[1]].shape == (64,)  # the plan's tensor is left as it was, not resized
 
 
 def test_out_overload_lookup() -> None:

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
+from streambox.kernel_compiler.calibration import CALIBRATION_DIR
 from streambox.kernel_compiler.lowering import lower_model
 from streambox.kernel_compiler.model_pool import ModelPool, PoolEntry, default_root
-from streambox.kernel_compiler.plan import KernelPlan
+from streambox.kernel_compiler.plan import PLAN_FILE, SCHEMA_VERSION, KernelPlan
 
 SHAPE = (3, 16, 16)
 
@@ -65,3 +67,17 @@ def test_default_root_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     assert default_root() == tmp_path and ModelPool().root == tmp_path
     monkeypatch.delenv("STREAMBOX_MODEL_POOL")
     assert default_root() == Path(os.path.expanduser("~")) / ".cache" / "streambox" / "model_pool"
+
+
+def test_a_plan_of_an_older_schema_is_lowered_again_keeping_its_calibration(tmp_path: Path) -> None:
+    lower = CountingLower()
+    pool = ModelPool(tmp_path, lower_fn=lower)
+    path = pool.get_or_lower("espcn", 1, SHAPE) and pool.path_for("espcn", 1, SHAPE)
+    doc = json.loads((path / PLAN_FILE).read_text())
+    (path / PLAN_FILE).write_text(json.dumps({**doc, "schema_version": SCHEMA_VERSION - 1}))
+    (path / CALIBRATION_DIR).mkdir()
+    (path / CALIBRATION_DIR / "h100-80gb.json").write_text("{}")
+    plan = pool.get_or_lower("espcn", 1, SHAPE)
+    assert plan.schema_version == SCHEMA_VERSION and len(lower.calls) == 2
+    assert (path / CALIBRATION_DIR / "h100-80gb.json").read_text() == "{}"
+    assert [p.name for p in (tmp_path / "espcn").iterdir()] == [path.name]  # nothing stale left

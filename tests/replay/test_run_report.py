@@ -118,6 +118,19 @@ def test_report_writes_the_plots_and_the_comparison(tmp_path, capsys, double_cls
     assert (out / "comparison.md").read_text().count("\n| ") >= 3
 
 
+def test_a_baseline_whose_every_request_failed_gets_na_ratios_not_a_crash(tmp_path, capsys, double_cls):
+    """The first replay on a real GPU failed every request of both systems (a kernel bug since fixed):
+    the report divided by a throughput of 0 and lost the runs' table."""
+    runs = [
+        _replay(tmp_path, double_cls, "streambox", 0.005).run_dir,
+        run_replay(None, workflow="traffic", system="stream-only", out=tmp_path / "stream-only",
+                   target=double_cls(seconds=0.001, fail_every=1), **FAST).run_dir,
+    ]
+    report(runs, tmp_path / "report")
+    (ratio,) = json.loads((tmp_path / "report" / "comparison.json").read_text())["ratios"]
+    assert ratio["throughput (ours)"] == "n/a" and ratio["p50 latency (ours)"] == "n/a"
+
+
 def test_report_names_a_directory_that_is_not_a_run(tmp_path):
     with pytest.raises(ValueError, match="not a finished replay run .missing summary.json"):
         report([tmp_path], tmp_path / "out")
