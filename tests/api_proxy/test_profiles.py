@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from functools import partial
 
 import pytest
 
 from streambox.api_proxy.device_tensor import upload_tensor
-from streambox.api_proxy.profiling import NoProfile, device_profile, measured_source
+from streambox.api_proxy.executor import PlanExecutor
+from streambox.api_proxy.profiling import NoProfile, device_profile, measure_plan_on_device, measured_source
 from streambox.api_proxy.proxy_memory import MemoryOptions, ProxyMemory
 from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import V100_16GB, GiB
@@ -97,3 +99,27 @@ def test_a_device_without_run_times_runs_unprofiled_and_says_why(pool, plan, run
         _run(memory, plan, runtime, 1)
         stats = memory.profile_stats()
     assert "Toaster 4000" in stats["unprofiled"][f"{MODEL}@1"] and stats["unprofiled_runs"] == 1
+
+
+def test_a_measured_run_is_issued_whole_while_its_stream_is_held(pool, runtime):
+    """gpu_check holds the stream behind a gate while the host issues a profiled run, so that the events
+    time kernels and not the host's issuing: the measuring pool must never make the host wait for the
+    device (it grows instead). The first H200 run's pool waited for its own frees mid-issue, so resnet50
+    measured 33 ms against resnet18's 1 ms. Here a host gate holds the emulated stream; a wait would
+    last until the gate's timeout."""
+    gate_timeout_s = 5.0
+    issue_seconds: list[float] = []
+
+    class HeldExecutor(PlanExecutor):
+        def run(self, model, inputs, stream, **options):  # type: ignore[no-untyped-def]
+            gate = threading.Event()
+            self.runtime.launch(stream, lambda: gate.wait(gate_timeout_s), name="gate")
+            result = super().run(model, inputs, stream, **options)
+            issue_seconds.append(result.stats.issue_seconds)  # a wait would last the gate's timeout
+            gate.set()
+            return result
+
+    plan = pool.get_or_lower("espcn", 1)  # the zoo's full input: tens of MB of frees per run
+    seconds = measure_plan_on_device(runtime, plan, repeats=2, executor=HeldExecutor)
+    assert len(issue_seconds) == 3 and max(issue_seconds) < gate_timeout_s / 2, issue_seconds
+    assert len(seconds) == len(plan.kernels) and sum(seconds) > 0
