@@ -322,7 +322,8 @@ class PlanExecutor:
             if not self.lazy:
                 with state.lock:
                     state.table.materialize(instance, partial(self.allocator.allocate, stream=stream))
-            peak = issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
+            with self.runtime.issuing(stream):
+                peak = issue(instance, state, model, inputs, stream, cu_cap, on_kernel, result)
             result.stats.kernels = program.compute_kernels
             result.stats.peak_live_bytes = peak
             result.stats.allocations = state.table.allocations - allocations

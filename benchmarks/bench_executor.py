@@ -29,6 +29,7 @@ one too, as `_hold` cannot block a GPU stream with a host-side gate).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import statistics
@@ -123,6 +124,9 @@ class _NullDevice:
 
     def launch(self, stream: object, kernel: object, **options: object) -> None:
         pass
+
+    def issuing(self, stream: object) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
 
     def create_event(self, timing: bool = True) -> _NullDevice:
         return self

@@ -12,6 +12,7 @@ Backends: `emulated.py` (default; functional or timed, modelled PCIe link and co
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -185,6 +186,9 @@ class MemoryPool(abc.ABC):
         """Free every reserved byte; live allocations become invalid."""
 
 
+_NOTHING_TO_SET = contextlib.nullcontext()
+
+
 class Runtime(abc.ABC):
     """One context on one device. Thread-safe: the API proxy calls it from several threads."""
 
@@ -267,6 +271,12 @@ class Runtime(abc.ABC):
         emulated device in timed mode occupies the stream and units that long instead of running
         `kernel` (longer with fewer units); in functional mode and on CUDA it is ignored.
         """
+
+    def issuing(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
+        """A block in which this thread launches many kernels on `stream` (a plan's run): a backend
+        whose launch sets per-thread state (CUDA: torch's current device and stream) sets it once for
+        the block. Launches on other streams inside it stay correct. Default: nothing to set."""
+        return _NOTHING_TO_SET
 
     @abc.abstractmethod
     def view(

@@ -27,7 +27,7 @@ import ctypes
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from .base import (
     Stream,
     aligned,
 )
+from .chunk_views import ChunkViews
 
 __all__ = [
     "DRIVER_ENTRY_POINTS",
@@ -585,6 +586,7 @@ class CudaMemoryPool(MemoryPool):
             raise DeviceError(f"cuMemAllocFromPoolAsync returned {address:#x}, not {ALIGNMENT}-aligned")
         with self._lock:
             self._live[address] = size
+        self.runtime._views.add(address, size)
         return address
 
     def free_async(self, address: int, stream: Stream) -> None:
@@ -593,6 +595,7 @@ class CudaMemoryPool(MemoryPool):
             if address not in self._live:
                 raise InvalidAddress(f"free of {address:#x}, which this pool did not hand out (or freed)")
             del self._live[address]
+        self.runtime._views.remove(address)
         with self.runtime._current():
             _check(driver.cuMemFreeAsync(address, stream_handle), "cuMemFreeAsync")
 
@@ -649,6 +652,8 @@ class CudaMemoryPool(MemoryPool):
             return
         with self._lock:
             live, self._live = list(self._live), {}
+        for address in live:
+            self.runtime._views.remove(address)
         with self.runtime._current():
             if live:
                 internal = self.runtime._internal_stream()
@@ -731,6 +736,8 @@ class CudaRuntime(Runtime):
         self._scope = _Current(self.context)
         self._allocations: dict[int, int] = {}  # mem_alloc address -> bytes
         self._allocated = 0
+        self._views = ChunkViews(self._base_view)  # fast views into this runtime's allocations
+        self._issuing = threading.local()  # .stream: the stream `issuing` made current on this thread
         self._pools: list[CudaMemoryPool] = []
         self._streams: list[CudaStream] = []
         self._host_buffers: list[CudaHostBuffer] = []
@@ -831,6 +838,7 @@ class CudaRuntime(Runtime):
         with self._lock:
             self._allocations[address] = size
             self._allocated += size
+        self._views.add(address, size)
         return address
 
     def mem_free(self, address: int) -> None:
@@ -839,6 +847,7 @@ class CudaRuntime(Runtime):
             if size is None:
                 raise InvalidAddress(f"free of {address:#x}, which mem_alloc did not return (or was freed)")
             self._allocated -= size
+        self._views.remove(address)
         with self._current():
             _check(driver.cuMemFree(address), "cuMemFree")
 
@@ -984,10 +993,28 @@ class CudaRuntime(Runtime):
             raise ValueError(f"blocks must be at least 1, got {blocks}")
         if cu_cap is not None and cu_cap < 1:
             raise ValueError(f"cu_cap must be at least 1, got {cu_cap}")
+        if getattr(self._issuing, "stream", None) is stream:  # inside `issuing(stream)`: already current
+            kernel()
+            return
         _stream_handle(stream, self)  # a live stream of this device, or raise
         assert isinstance(stream, CudaStream)
         with torch.cuda.device(self.index), torch.cuda.stream(stream.torch_stream()):
             kernel()
+
+    @contextlib.contextmanager
+    def issuing(self, stream: Stream) -> Iterator[None]:
+        """Torch's current device and stream set to ours once for the kernels launched on `stream` from
+        this thread until the block ends (a plan's run), instead of per launch (two context managers:
+        several microseconds of each kernel's host time)."""
+        _stream_handle(stream, self)
+        assert isinstance(stream, CudaStream)
+        previous = getattr(self._issuing, "stream", None)
+        with torch.cuda.device(self.index), torch.cuda.stream(stream.torch_stream()):
+            self._issuing.stream = stream
+            try:
+                yield
+            finally:
+                self._issuing.stream = previous
 
     def launch_function(
         self,
@@ -1046,7 +1073,20 @@ class CudaRuntime(Runtime):
         shape: tuple[int, ...],
         strides: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        """A torch CUDA tensor over `address` via `__cuda_array_interface__`; `strides` in elements."""
+        """A torch CUDA tensor over `address`; `strides` in elements. Inside an allocation of this runtime
+        it is a slice of that allocation's tensor (`ChunkViews`), elsewhere (memory opened from another
+        process) a tensor made through `__cuda_array_interface__`."""
+        fast = self._views.view(int(address), dtype, tuple(int(d) for d in shape), strides)
+        if fast is not None:
+            return fast
+        return self._interface_view(address, dtype, shape, strides)
+
+    def _base_view(self, start: int, nbytes: int) -> torch.Tensor:
+        return self._interface_view(start, torch.uint8, (nbytes,))
+
+    def _interface_view(
+        self, address: int, dtype: torch.dtype, shape: Sequence[int], strides: Sequence[int] | None = None
+    ) -> torch.Tensor:
         array = CudaArray(address, dtype, shape, strides)
         device = torch.device("cuda", self.index)
         with torch.cuda.device(self.index):
@@ -1068,6 +1108,7 @@ class CudaRuntime(Runtime):
                 errors.append(exc)
 
         self._release_all(attempt)
+        self._views.clear()
         self.closed = True
         attempt(lambda: _check(driver.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease"))
         self.backend._forget_runtime(self)
