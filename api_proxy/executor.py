@@ -88,12 +88,10 @@ class _Ephemeral:
 
 
 class _Instance:
-    """A function instance's mapping table, the stream its buffers are freed on, and its kernels'
-    bound calls."""
+    """A function instance's mapping table, the stream its buffers are freed on, its kernels' bound calls."""
 
-    __slots__ = (
-        "table", "lock", "stream", "program", "ephemeral", "rows", "steps", "first", "last", "calls", "reset"
-    )
+    __slots__ = ("table", "lock", "stream", "program", "ephemeral", "rows", "steps", "first", "last", "calls",
+                 "reset", "placed")
 
     def __init__(self, eager_recycling: bool, ephemeral: bool) -> None:
         self.table = MappingTable(eager_recycling=eager_recycling)
@@ -112,6 +110,8 @@ class _Instance:
         self.calls: KernelCalls | None = None
         # The table holds nothing and counts no access (its last run ended): the next run needs no reset.
         self.reset = False
+        # Per kernel, the addresses its first accesses got last run, asked for again (the bound calls).
+        self.placed: list[list[int]] = []
 
 
 def _check_registered(state: _Instance, registered: PlanProgram | None, instance: Hashable) -> None:
@@ -149,7 +149,7 @@ class PlanExecutor:
         self._free_batch: Callable[[list[int], Stream], None] = free_many or (
             lambda addresses, stream: free_all(allocator, addresses, stream)
         )
-        self._free_and_allocate: Callable[[list[int], tuple[int, ...], Stream], list[int]] = (
+        self._free_and_allocate: Callable[..., list[int]] = (
             getattr(allocator, "free_and_allocate", None) or self._free_then_allocate
         )
         self._generation = release_generation(allocator)
@@ -175,8 +175,10 @@ class PlanExecutor:
             return None
         return program.schedule(self.lazy, self.eager_recycling)
 
-    def _free_then_allocate(self, addresses: list[int], sizes: tuple[int, ...], stream: Stream) -> list[int]:
-        """`free_and_allocate` for an allocator without it: a batch free, then one `allocate` per size."""
+    def _free_then_allocate(
+        self, addresses: list[int], sizes: tuple[int, ...], stream: Stream, prefer: object = None
+    ) -> list[int]:
+        """`free_and_allocate` for an allocator without it (no `prefer`): a batch free, then `allocate`s."""
         if addresses:
             self._free_batch(addresses, stream)
         got: list[int] = []
@@ -222,6 +224,7 @@ class PlanExecutor:
                 state.steps = schedule.steps if schedule is not None else None
                 state.first = [tuple(rows[r] for r in step.first) for step in state.steps or ()]
                 state.last = [tuple(rows[r] for r in step.last) for step in state.steps or ()]
+                state.placed = [[] for _ in state.steps or ()]
                 state.program = program
             else:
                 leftovers = [] if state.reset else state.table.reset_instance(instance)
@@ -412,6 +415,7 @@ class PlanExecutor:
         program, table, lock, rows = model.program, state.table, state.lock, state.rows
         steps, first, last, registered = state.steps, state.first, state.last, state.program  # from `_enter`
         assert steps is not None  # `run` chose this path by it
+        placed = state.placed
         with lock:
             calls = self._calls_for(state, model)
         run_inputs = RunInputs(inputs)
@@ -433,7 +437,8 @@ class PlanExecutor:
                         _check_registered(state, registered, instance)  # raises
                     if step.first or spent:
                         freeing, spent = spent, []
-                        got = free_and_allocate(freeing, step.sizes, stream)
+                        got = free_and_allocate(freeing, step.sizes, stream, prefer=placed[i])
+                        placed[i] = got
                         peak = max(peak, table.place(first[i], got))
                     if k.compute:
                         addresses = [entry.address for entry in rows[i]]

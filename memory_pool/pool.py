@@ -221,6 +221,18 @@ class _StreamFrees:
         self.pending_bytes -= size
         return address
 
+    def take_exact(self, address: int, size: int) -> int | None:
+        """`address` if it is a pending block of `size` bytes (taken), else None."""
+        bucket = self.by_size.get(size)
+        if bucket is None or address not in bucket:
+            return None
+        del bucket[address]
+        if not bucket:
+            del self.by_size[size]
+        del self.pending[address]
+        self.pending_bytes -= size
+        return address
+
     def drop(self, address: int, size: int) -> None:
         del self.pending[address]
         self.pending_bytes -= size
@@ -355,13 +367,16 @@ class DeviceMemoryPool:
         allocate: Callable[[int, Stream], int] | None = None,
         *,
         fast_only: bool = False,
+        prefer: Sequence[int] | None = None,
     ) -> list[int]:
         """`free_many(addresses, stream)`, then an `allocate` on `stream` of each of `sizes`, in one
         call: the executor's per-kernel call (the blocks the previous kernel spent, the ones the next
         kernel touches first). The frees come first, so the allocations may reuse them at once.
         The fast path runs under one acquisition of the lock; a size it cannot place goes through
         `allocate` (default: this pool's), e.g. an owner's that reclaims, unless `fast_only`
-        (`free_and_try_allocate`)."""
+        (`free_and_try_allocate`). `prefer`: per size, an address to reuse if it is one of the
+        stream's pending blocks of that size (the executor passes the kernel's addresses of the
+        previous run, so that a warm instance's buffers keep their addresses and its bound calls)."""
         started = time.perf_counter()
         got: list[int] = []
         with self._lock:
@@ -374,7 +389,7 @@ class DeviceMemoryPool:
             else:
                 frees = self._streams.get(stream)
             if sizes:
-                self._allocate_fast_locked(sizes, frees, got)
+                self._allocate_fast_locked(sizes, frees, got, prefer)
             metrics = self.metrics
             if metrics is not None and (freed or got):
                 now = time.perf_counter()
@@ -402,15 +417,27 @@ class DeviceMemoryPool:
         allocates the rest, e.g. with `try_allocate`, which grows, waits or asks for a reclaim)."""
         return self.free_and_allocate(addresses, sizes, stream, fast_only=True)
 
-    def _allocate_fast_locked(self, sizes: Sequence[int], frees: _StreamFrees | None, got: list[int]) -> None:
-        """`try_allocate`'s fast path for each of `sizes` in turn (a pending block of the stream, else
-        the sub-allocator), appending to `got`; stops at the first that needs the slow path."""
+    def _allocate_fast_locked(
+        self,
+        sizes: Sequence[int],
+        frees: _StreamFrees | None,
+        got: list[int],
+        prefer: Sequence[int] | None = None,
+    ) -> None:
+        """`try_allocate`'s fast path for each of `sizes` in turn (a pending block of the stream: the
+        preferred address if it is one, else the last freed of that size; else the sub-allocator),
+        appending to `got`; stops at the first that needs the slow path."""
         live, sub, demand, reuses = self._live, self._sub, self._demand, 0
         take = frees.take if frees is not None and frees.pending else None
+        exact = frees.take_exact if take is not None and prefer is not None else None
         try:
-            for nbytes in sizes:
+            for j, nbytes in enumerate(sizes):
                 size = _aligned(nbytes)
-                address = take(size) if take is not None else None
+                address = None
+                if exact is not None and j < len(prefer):  # type: ignore[arg-type]
+                    address = exact(prefer[j], size)  # type: ignore[index]
+                if address is None and take is not None:
+                    address = take(size)
                 if address is not None:  # the common case of a lazily allocated plan
                     reuses += 1
                 else:

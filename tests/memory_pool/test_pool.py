@@ -407,3 +407,16 @@ def test_free_and_allocate_hands_back_what_it_got_when_a_later_size_fails(runtim
     with pytest.raises(PoolOutOfMemory):
         pool.free_and_allocate([], [4096, 2 * total], s)
     assert pool.demand_bytes == 0 and pool.stats().live_allocations == 0
+
+
+def test_free_and_allocate_takes_the_preferred_pending_block_of_the_size(runtime):
+    pool = DeviceMemoryPool(runtime)
+    s = runtime.create_stream()
+    a, b, c = pool.free_and_allocate([], [4096, 4096, 8192], s)
+    got = pool.free_and_allocate([a, b, c], [4096, 4096], s, prefer=[a, c])
+    assert got[0] == a  # preferred and pending at that size
+    assert got[1] == b  # c is pending at another size: the last freed block of 4096 instead
+    (d,) = pool.free_and_allocate([], [8192], s, prefer=[a])  # a is live: not pending, no preference
+    assert d == c
+    pool.free_many([*got, d], s)
+    pool.close()
