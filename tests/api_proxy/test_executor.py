@@ -213,6 +213,15 @@ def test_weights_loaded_again_run_the_same_program_and_still_match_eager_torch(p
     assert executor._programs.get(other) is not model._program  # another plan, its own program
 
 
+def _checked_run(runtime, executor, model, handle, mem, stream, want) -> int:
+    """One warm run of instance f1, its output checked against `want`; the calls bound so far."""
+    result = executor.run(model, {"x": handle}, stream, instance="f1")
+    got = download_tensor(runtime, result.outputs[model.plan.outputs[0]], stream)
+    torch.testing.assert_close(got, want, **_tolerance(torch.float32))
+    mem.free_many([t.address for t in result.outputs.values()], stream)
+    return executor.calls_bound("f1")
+
+
 def test_a_warm_instance_calls_what_it_bound_and_binds_again_after_the_pool_gave_memory_back(
     pool, zoo_model, runtime
 ):
@@ -232,11 +241,7 @@ def test_a_warm_instance_calls_what_it_bound_and_binds_again_after_the_pool_gave
         if i == 3:  # every chunk goes back to the device: the next run's buffers are new memory
             mem.drain()
             trimmed = mem.trim_to(0)
-        result = executor.run(model, {"x": handle}, stream, instance="f1")
-        got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
-        torch.testing.assert_close(got, want, **_tolerance(torch.float32))
-        binds.append(executor.calls_bound("f1"))
-        mem.free_many([t.address for t in result.outputs.values()], stream)
+        binds.append(_checked_run(runtime, executor, model, handle, mem, stream, want))
     compute = sum(k.kind != "view" for k in plan.kernels)
     assert trimmed > 0
     # The first run binds every call; a warm run gets most of its addresses back (the pool hands the
@@ -257,13 +262,7 @@ def test_a_warm_instance_sharing_its_pool_with_its_weights_binds_nothing_after_i
     plan, mem, stream, model, x, handle = _setup(pool, runtime, name)
     executor = PlanExecutor(runtime, mem)
     want = _eager(zoo_model, name, x)[0]
-    binds = []
-    for _ in range(6):
-        result = executor.run(model, {"x": handle}, stream, instance="f1")
-        got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
-        torch.testing.assert_close(got, want, **_tolerance(torch.float32))
-        binds.append(executor.calls_bound("f1"))
-        mem.free_many([t.address for t in result.outputs.values()], stream)
+    binds = [_checked_run(runtime, executor, model, handle, mem, stream, want) for _ in range(6)]
     compute = sum(k.kind != "view" for k in plan.kernels)
     assert binds[0] == compute and binds[5] == binds[1], binds
 
