@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from streambox.device import MemoryPool, Runtime, Stream
+from streambox.device.base import contiguous_strides
 from streambox.kernel_compiler.plan import KernelPlan
 
 from .device_tensor import DeviceTensor
@@ -102,7 +103,7 @@ def allocate_weights(runtime: Runtime, plan: KernelPlan, allocator: Allocator, s
         for var in plan.vars_of_kind("weight"):
             address = allocator.allocate(var.nbytes, stream)
             weights[var.name] = DeviceTensor(
-                address, var.torch_dtype, tuple(var.shape), _contiguous_strides(var.shape), var.nbytes
+                address, var.torch_dtype, tuple(var.shape), contiguous_strides(var.shape), var.nbytes
             )
     except BaseException:  # e.g. out of memory half-way: nothing half-loaded stays
         free_all(allocator, [t.address for t in weights.values()], stream, fence=True)
@@ -140,14 +141,6 @@ def free_model(model: DeviceModel, allocator: Allocator, stream: Stream) -> None
     free_all(allocator, [t.address for t in model.weights.values()], stream, fence=True)
     model.weights.clear()
     model.weight_views.clear()
-
-
-def _contiguous_strides(shape: Iterable[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(list(shape)):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 def release_generation(allocator: Allocator) -> Callable[[], int] | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -184,6 +184,15 @@ class MemoryPool(abc.ABC):
     @abc.abstractmethod
     def destroy(self) -> None:
         """Free every reserved byte; live allocations become invalid."""
+
+
+def contiguous_strides(shape: Iterable[int]) -> tuple[int, ...]:
+    """Row-major strides, in elements, of `shape` (a zero-length dimension counts as one)."""
+    strides, step = [], 1
+    for d in reversed(list(shape)):
+        strides.append(step)
+        step *= max(int(d), 1)
+    return tuple(reversed(strides))
 
 
 _NOTHING_TO_SET = contextlib.nullcontext()

@@ -17,20 +17,11 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-from .base import InvalidAddress
-
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides, in elements, of `shape`."""
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(strides))
+from .base import InvalidAddress, contiguous_strides
 
 
 class ChunkViews:

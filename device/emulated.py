@@ -76,6 +76,7 @@ from .base import (
     Stream,
     TimelineRecord,
     aligned,
+    contiguous_strides,
 )
 from .compute import ComputeStats, ComputeUnits, units_for
 from .copy_engine import CopyEngine, CopyJob, sleep_until
@@ -124,14 +125,6 @@ def _host_bytes(obj: HostBuffer | torch.Tensor, what: str) -> tuple[torch.Tensor
             raise ValueError(f"{what}: host tensor must be contiguous")
         return obj.reshape(-1).view(torch.uint8), False
     raise TypeError(f"{what}: expected a HostBuffer or a CPU tensor, got {type(obj).__name__}")
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 def _check_range(total: int, offset: int, nbytes: int, what: str) -> None:
@@ -600,7 +593,7 @@ class EmulatedRuntime(Runtime):
         alloc, offset = self._table.resolve(address, nbytes, "view")
         if self.timed:  # phantom data: the shape and layout without bytes
             _check_usable(alloc, offset, "view")
-            layout = strides if strides is not None else _contiguous_strides(shape)
+            layout = strides if strides is not None else contiguous_strides(shape)
             return torch.empty_strided(shape, layout, dtype=dtype, device="meta")
         if offset % itemsize:
             raise InvalidAddress(
@@ -609,7 +602,7 @@ class EmulatedRuntime(Runtime):
         if alloc.data is None or not alloc.usable:
             _device_bytes(alloc, offset, nbytes, "view")  # raises the use-after-free error
         if strides is None:
-            strides = _contiguous_strides(shape)
+            strides = contiguous_strides(shape)
         return alloc.typed_data(dtype).as_strided(shape, strides, offset // itemsize)
 
     # -- introspection ----------------------------------------------------------------------

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streambox.device.base import InvalidAddress
-from streambox.device.chunk_views import ChunkViews, contiguous_strides
+from streambox.device.base import InvalidAddress, contiguous_strides
+from streambox.device.chunk_views import ChunkViews
 
 START, SIZE = 0x7000_0000, 4096
 
