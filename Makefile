@@ -28,9 +28,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# For whoever has a real NVIDIA GPU (under 10 minutes): the gpu-marked tests, every zoo model's per-kernel
-# times written as calibration tables beside the plans (and as JSON under $OUT when set), their error
-# against the cost model, and a short Traffic replay on the CUDA backend. Without a GPU: one line, exit 0.
+# For whoever has a real NVIDIA GPU (under 10 minutes): the gpu-marked tests (a process per file), every
+# zoo model's per-kernel times written as calibration tables beside the plans (and as JSON under $OUT when
+# set), their error against the cost model, host time per kernel on the GPU, and a short Traffic replay
+# on the CUDA backend. Without a GPU: one line, exit 0.
 gpu-check: $(STAMP)
 	if command -v nvidia-smi >/dev/null && ! $(VENV)/bin/python -c 'import cuda.bindings' 2>/dev/null; then \
 		$(VENV)/bin/pip install --quiet -e '.[cuda]'; fi

@@ -2,14 +2,17 @@
 
 On the first CUDA device:
 
-1. the `gpu`-marked tests (``pytest -m gpu``);
+1. the `gpu`-marked tests (``pytest -m gpu``), one process per test file: a kernel fault leaves the
+   process's CUDA context unusable, so in one process every later test would fail with it;
 2. per zoo model (batch 1, the zoo's input shape): per-kernel times measured with CUDA events around
    each kernel (a profiled run of the executor through the CUDA backend, queued behind a gate kernel
    so that the host's issuing is not timed; median of a few runs),
    written as the calibration table beside the plan in the model pool (it then overrides the cost
    model for that GPU: `KernelPlan.kernel_seconds`) and as JSON under ``$OUT`` when set; each
    compared with the cost model's prediction for that GPU (the error per model);
-3. a short trace replay of Traffic on the CUDA backend for streambox and stream-only.
+3. host time per kernel of the plan executor on the CUDA backend against eager torch on the same GPU
+   (``benchmarks/bench_executor.py --quick --device-mode cuda``, in a checkout);
+4. a short trace replay of Traffic on the CUDA backend for streambox and stream-only.
 
 Without a GPU it says so in one line and exits 0. `calibrate` is the measuring step on any runtime
 (the tests run it on the emulated device's CPU through the same code).
@@ -156,6 +159,29 @@ def _run(command: Sequence[str], timeout_s: float, env: dict[str, str] | None = 
     return {"command": list(command), "rc": rc, "seconds": round(time.monotonic() - started, 1), "tail": tail}
 
 
+def group_by_file(node_ids: Sequence[str]) -> dict[str, list[str]]:
+    """pytest node ids (``path::test[param]``) by their file, in first-seen order."""
+    files: dict[str, list[str]] = {}
+    for node in node_ids:
+        files.setdefault(node.split("::", 1)[0], []).append(node)
+    return files
+
+
+def run_gpu_tests(timeout_s: float = 300) -> dict[str, Any]:
+    """The `gpu`-marked tests, one pytest process per file (see the module doc); rc 0 when all pass."""
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu"]
+    listing = subprocess.run([*pytest, "--co"], capture_output=True, text=True, check=False)
+    nodes = [line for line in listing.stdout.splitlines() if "::" in line]
+    started, files = time.monotonic(), {}
+    for path in group_by_file(nodes):
+        left = timeout_s - (time.monotonic() - started)
+        files[path] = _run([*pytest, "-rfE", "--tb=short", path], max(left, 1.0))
+        print(f"{path}: {files[path]['tail'].splitlines()[-1] if files[path]['tail'] else 'no output'}")
+    failed = [path for path, run in files.items() if run["rc"] not in (0, 5)]  # 5: all deselected
+    return {"rc": 1 if failed or not files else 0, "failed": failed, "files": files,
+            "tail": "\n".join(f"{path}: rc {run['rc']}" for path, run in files.items())}
+
+
 def _streambox_command() -> list[str]:
     script = Path(sys.executable).with_name("streambox")
     return [str(script)] if script.exists() else [sys.executable, "-m", "streambox.cli"]
@@ -212,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="where the JSON goes (default $OUT; none when unset)")
     p.add_argument("--skip-tests", action="store_true", help="do not run the gpu-marked tests")
     p.add_argument("--skip-replay", action="store_true", help="do not replay the short trace")
+    p.add_argument("--skip-bench", action="store_true", help="do not measure host time per kernel")
     args = p.parse_args(argv)
     models = args.models.split(",") if args.models else list(ZOO)
     if unknown := [m for m in models if m not in ZOO]:
@@ -226,12 +253,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {}
     started = time.monotonic()
     if not args.skip_tests:
-        print("gpu-check: the gpu-marked tests ...", flush=True)
-        pytest = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
-        report["tests"] = _run(pytest, 300)
-        print(report["tests"]["tail"])
+        print("gpu-check: the gpu-marked tests, one process per file ...", flush=True)
+        report["tests"] = run_gpu_tests()
 
     report.update(calibrate_models(backend, ModelPool(), models, repeats=args.repeats))
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_executor.py"
+    if not args.skip_bench and bench.exists():  # a checkout: the benchmarks are not installed
+        print("gpu-check: host time per kernel on the CUDA backend ...", flush=True)
+        json_path = (out or Path("runs")) / "bench_executor_cuda.json"
+        command = [sys.executable, str(bench), "--quick", "--device-mode", "cuda", "--json", str(json_path)]
+        report["bench"] = _run(command, 240)
+        print(report["bench"]["tail"])
 
     if not args.skip_replay:
         replay_out = (out or Path("runs")) / "gpu-check-replay"
@@ -250,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = out / "gpu_check.json"
         path.write_text(json.dumps(report, indent=1))
         print(f"gpu-check: wrote {path}")
-    failed = [step for step in ("tests", "replay") if report.get(step, {}).get("rc", 0) != 0]
+    failed = [step for step in ("tests", "bench", "replay") if report.get(step, {}).get("rc", 0) != 0]
     verdict = f"; failed: {', '.join(failed)}" if failed else ""
     print(f"gpu-check: done in {report['seconds']:.0f} s{verdict}")
     return 1 if failed else 0
