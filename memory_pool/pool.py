@@ -210,15 +210,12 @@ class _StreamFrees:
         self.fenced: deque[tuple[Event, list[tuple[int, int, int]]]] = deque()
 
     def take(self, size: int) -> int | None:
-        """A pending block of exactly `size` bytes, for reuse on this same stream."""
+        """The last freed pending block of exactly `size` bytes, for reuse on this same stream."""
         bucket = self.by_size.get(size)
         if not bucket:
             return None
-        address = bucket.popitem()[0]
-        if not bucket:
-            del self.by_size[size]
-        del self.pending[address]
-        self.pending_bytes -= size
+        address = next(reversed(bucket))
+        self.drop(address, size)
         return address
 
     def take_exact(self, address: int, size: int) -> int | None:
@@ -226,11 +223,7 @@ class _StreamFrees:
         bucket = self.by_size.get(size)
         if bucket is None or address not in bucket:
             return None
-        del bucket[address]
-        if not bucket:
-            del self.by_size[size]
-        del self.pending[address]
-        self.pending_bytes -= size
+        self.drop(address, size)
         return address
 
     def drop(self, address: int, size: int) -> None:
@@ -429,13 +422,14 @@ class DeviceMemoryPool:
         appending to `got`; stops at the first that needs the slow path."""
         live, sub, demand, reuses = self._live, self._sub, self._demand, 0
         take = frees.take if frees is not None and frees.pending else None
-        exact = frees.take_exact if take is not None and prefer is not None else None
+        exact = frees.take_exact if take is not None else None
+        preferred = prefer or ()
         try:
             for j, nbytes in enumerate(sizes):
                 size = _aligned(nbytes)
                 address = None
-                if exact is not None and j < len(prefer):  # type: ignore[arg-type]
-                    address = exact(prefer[j], size)  # type: ignore[index]
+                if exact is not None and j < len(preferred):
+                    address = exact(preferred[j], size)
                 if address is None and take is not None:
                     address = take(size)
                 if address is not None:  # the common case of a lazily allocated plan
