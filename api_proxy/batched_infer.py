@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from streambox.device import Event
+from streambox.device.base import contiguous_strides
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.phases import QUEUE
 
@@ -39,7 +40,7 @@ from .device_tensor import DeviceTensor
 from .errors import ProxyError
 from .executor import RunResult
 from .function_spec import ProxyFunction
-from .handles import Handle, contiguous_strides
+from .handles import Handle
 from .waits import Offload, Wait
 
 if TYPE_CHECKING:

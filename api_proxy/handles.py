@@ -68,14 +68,6 @@ class Handle(NamedTuple):
         return cls(workflow, address, dtype, tuple(shape), tuple(int(s) for s in strides), nbytes)
 
 
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
-
-
 def request_key(workflow: str, request_id: str, name: str) -> str:
     """The request-scoped key of `name`: `<workflow>/<request id>/<name>`."""
     if not name:

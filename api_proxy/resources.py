@@ -24,6 +24,7 @@ from streambox.comm.errors import GetTimeout
 from streambox.comm.lease import span_bytes
 from streambox.comm.store_protocol import Store
 from streambox.device import Event, Runtime, Stream
+from streambox.device.base import contiguous_strides
 from streambox.io_daemon import CopyRequest, IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.plan import KernelPlan
@@ -34,7 +35,7 @@ from .buffers import BufferTable
 from .device_tensor import DeviceTensor
 from .errors import IsolationError, UnknownHandle, UnknownModel
 from .function_spec import ProxyFunction
-from .handles import DTYPES, Handle, contiguous_strides
+from .handles import DTYPES, Handle
 from .issuer import Issuer
 from .partition import cu_cap_for
 from .proxy_memory import ProxyMemory

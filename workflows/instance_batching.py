@@ -27,8 +27,8 @@ from typing import Any
 from streambox.api_proxy.batched_infer import check_sliceable, joinable
 from streambox.api_proxy.batcher import Batch, Limits
 from streambox.api_proxy.device_tensor import DeviceTensor
-from streambox.api_proxy.handles import contiguous_strides
 from streambox.device import Event, Stream
+from streambox.device.base import contiguous_strides
 
 from .infer_groups import InferGroups
 from .local import LocalContext, _LocalWorkflow, ready_event

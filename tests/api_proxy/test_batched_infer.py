@@ -97,7 +97,9 @@ def test_concurrent_infers_run_as_one_batch_with_each_callers_rows(
     stats = settled(proxy.client, lambda s: s["buffers"] == 0)
     before, pool_bytes = stats["batching"], stats["pool"]["allocated_bytes"]
     outputs = _together(proxy, function, seeds, tmp_path / "room")
-    after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] == pool_bytes)
+    # Nothing of the batch stays allocated (<=: a block of an earlier test may be released meanwhile; CI
+    # once saw 16 KiB fewer bytes than before, never more).
+    after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] <= pool_bytes)
     assert after["batching"]["batches"] == before["batches"] + 1  # one plan run for all of them
     assert after["batching"]["members"] == before["members"] + len(seeds)
     assert after["batching"]["sizes"][-1] == len(seeds)
@@ -134,12 +136,14 @@ def test_a_call_that_ends_while_its_batch_is_open_is_left_out(proxy, zoo_model, 
         with pytest.raises(FunctionTimeout):
             futures[2].result()
         outputs = [f.result()["output"] for f in futures[:2]]
-    after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] == pool_bytes)
+    # Nothing of the batch stays allocated (<=: a block of an earlier test may be released meanwhile; CI
+    # once saw 16 KiB fewer bytes than before, never more).
+    after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] <= pool_bytes)
     assert after["batching"]["batches"] == before["batches"] + 1
     assert after["batching"]["sizes"][-1] == 2  # the ended call's rows were not gathered
     for seed, out in zip((51, 52), outputs, strict=True):
         assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
-    assert (after["buffers"], after["pool"]["allocated_bytes"]) == (0, pool_bytes)
+    assert after["buffers"] == 0 and after["pool"]["allocated_bytes"] <= pool_bytes
 
 
 def test_without_a_queue_delay_infers_run_alone(proxy, zoo_model, tmp_path):
@@ -153,7 +157,7 @@ def test_without_a_queue_delay_infers_run_alone(proxy, zoo_model, tmp_path):
 def test_which_functions_batch_which_calls_join_and_which_plans_deploy_prepares():
     from streambox.api_proxy.batched_infer import batch_sizes, joinable, limits_of
     from streambox.api_proxy.device_tensor import DeviceTensor
-    from streambox.api_proxy.handles import contiguous_strides
+    from streambox.device.base import contiguous_strides
 
     def tensor(*shape: int, strides: tuple[int, ...] | None = None) -> DeviceTensor:
         return DeviceTensor(0x1000, torch.float32, shape, strides or contiguous_strides(shape), 4)
