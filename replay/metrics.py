@@ -6,7 +6,8 @@ A run directory holds:
   request's phases in ms, `PHASE_COLUMNS`, empty where the system did not measure them),
 - `samples.csv`: one row per sample of the target (t_s, memory_used_bytes, pool_bytes, demand_bytes,
   memory.<component>_bytes, outstanding, ...),
-- `summary.json`: the figures below.
+- `summary.json`: the figures below, and `counters`: each `counter.*` sample column's last value (the
+  proxies' pool grows and trims, their IO daemons' blocks, ...).
 
 Definitions: throughput = requests with status "ok" / run duration (start to the last completion);
 goodput counts only those within the SLO; latency percentiles are over "ok" requests; mean memory is
@@ -29,7 +30,7 @@ import numpy as np
 from streambox.phases import PHASES
 
 from .driver import DriveResult, RequestRecord
-from .target import COMPONENT_PREFIX
+from .target import COMPONENT_PREFIX, COUNTER_PREFIX
 
 MEMORY_KEYS = ("memory_used_bytes", "pool_bytes", "demand_bytes")
 #: requests.csv's phase columns (ms), one per `streambox.phases.PHASES`, in that order
@@ -65,6 +66,14 @@ def _series_stats(samples: Sequence[Mapping[str, float]], key: str) -> dict[str,
     return {"mean_bytes": time_average(times, values), "peak_bytes": float(max(values))}
 
 
+def _last_counters(samples: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each running count's last sampled value (its total over the run, as of the last sample)."""
+    last: dict[str, float] = {}
+    for sample in samples:
+        last.update((k[len(COUNTER_PREFIX) :], v) for k, v in sample.items() if k.startswith(COUNTER_PREFIX))
+    return last
+
+
 def summarize(result: DriveResult, *, slo_s: float, window_s: float | None = None) -> dict[str, Any]:
     """The summary of one run (see the module's docstring for the definitions)."""
     records = result.records
@@ -95,6 +104,7 @@ def summarize(result: DriveResult, *, slo_s: float, window_s: float | None = Non
         "cold_start_rate": sum(r.cold_start for r in records) / len(records) if records else None,
         "memory": memory,
         "memory_components": {c: _series_stats(result.samples, c) for c in components},
+        "counters": _last_counters(result.samples),
         "pool_over_demand": (
             pool["mean_bytes"] / demand["mean_bytes"]
             if pool and demand and demand["mean_bytes"] > 0

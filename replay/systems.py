@@ -57,7 +57,7 @@ from streambox.workflows.engine import Engine
 from streambox.workflows.invoker import Invoker
 from streambox.workflows.spec import WorkflowSpec
 
-from .target import Outcome, SystemRequest
+from .target import COUNTER_PREFIX, Outcome, SystemRequest
 from .tenants import tenant_of, tenant_spec_name
 
 #: The paper's keep-alive (10 minutes of trace time).
@@ -335,7 +335,19 @@ def _proxy_memory(invoker: Invoker) -> dict[str, float]:
         profiles = stats.get("profiles", {})  # fm+rs: runs Algorithm 1 saw with / without a profile
         totals["profiled_runs"] = totals.get("profiled_runs", 0.0) + profiles.get("profiled_runs", 0)
         totals["unprofiled_runs"] = totals.get("unprofiled_runs", 0.0) + profiles.get("unprofiled_runs", 0)
+        counts = {**_prefixed("pool", stats["pool"]["counters"]), **_prefixed("io", stats.get("io", {}))}
+        for key, value in counts.items():
+            totals[key] = totals.get(key, 0.0) + float(value)
     return totals
+
+
+def _prefixed(part: str, counters: Mapping[str, Any]) -> dict[str, float]:
+    """A proxy's counters as sample columns (`counter.pool.grows`), numbers only."""
+    return {
+        f"{COUNTER_PREFIX}{part}.{k}": float(v)
+        for k, v in counters.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 def make_streambox_target(request: SystemRequest) -> WorkflowTarget:

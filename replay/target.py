@@ -25,6 +25,9 @@ SAMPLE_KEYS = {
     "demand_bytes": "live demand: bytes the running functions need right now",
 }
 COMPONENT_PREFIX = "memory."
+#: A sample key with this prefix is a running count since the system started (the pool's grows, the IO
+#: daemon's blocks); the summary reports its last value (`summarize`, "counters").
+COUNTER_PREFIX = "counter."
 
 #: The systems the replay compares (registered below; see replay/systems.py).
 PLANNED_SYSTEMS = ("streambox", "stream-only", "infless", "astraea", "monolithic")

@@ -1,7 +1,7 @@
 """A streambox replay writes each request's phases (`streambox.phases`) into requests.csv: one column
 per phase, in ms, adding up to the system's own latency of the request; the first request, which
 starts the function instances (`prewarm=0`: none started at deploy), has a cold start phase, the
-later warm ones none."""
+later warm ones none. The summary carries the proxy's running counts (`counters`)."""
 
 from __future__ import annotations
 
@@ -46,3 +46,9 @@ def test_requests_csv_has_phases_that_add_up(tmp_path):
     assert first["cold_start"] == "True" and float(first["cold_start_ms"]) > 0
     for row in later:
         assert (row["cold_start"] == "True") == (float(row["cold_start_ms"]) > 0), row
+    counters = result.summary["counters"]  # the proxy's pool and IO daemon, summed, as of the last sample
+    assert counters["pool.allocations"] >= counters["pool.frees"] > 0
+    assert counters["pool.grows"] >= 1 and counters["io.blocks"] >= 1
+    with (result.run_dir / "samples.csv").open() as f:
+        grows = [float(r["counter.pool.grows"]) for r in csv.DictReader(f) if r["counter.pool.grows"]]
+    assert grows == sorted(grows) and grows[-1] == counters["pool.grows"]
