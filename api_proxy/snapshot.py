@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,18 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
         "models_resident_bytes": server.memory.models.resident_bytes,
         "models": {"loads": server.memory.models.loads, "evictions": server.memory.models.evictions},
         "io": asdict(server.io.stats),
+        "process": _process_usage(),  # the proxy's own host cost: all of its threads, since it started
         "settings": server.config.settings(),  # the mechanisms this run used, defaults resolved
         "timings": server.timings,
+    }
+
+
+def _process_usage() -> dict[str, float]:
+    """CPU seconds of this process (user, system) and its context switches since it started."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "cpu_user_s": usage.ru_utime,
+        "cpu_system_s": usage.ru_stime,
+        "voluntary_switches": float(usage.ru_nvcsw),
+        "involuntary_switches": float(usage.ru_nivcsw),
     }

@@ -198,6 +198,13 @@ async def drive(
         duration = loop.time() - t0
         sampling.cancel()
         await asyncio.gather(sampling, return_exceptions=True)
+        base = {
+            "t_s": loop.time() - t0,
+            "outstanding": float(len(outstanding)),
+            "sent": float(counters["sent"]),
+            "completed": float(counters["done"]),
+        }
+        await _final_sample(target, samples, sample_errors, base)
     return DriveResult(
         records=[r for r in records if r is not None],
         samples=samples,
@@ -208,3 +215,23 @@ async def drive(
         sample_errors=sample_errors,
         started_at=started_at,
     )
+
+
+async def _final_sample(
+    target: Target, samples: list[dict[str, float]], errors: list[str], base: dict[str, float]
+) -> None:
+    """One sample after the last request, its figures refreshed first where the target can
+    (`Target.refresh`): the run's counts as they ended, not as of the last periodic refresh."""
+    refresh = getattr(target, "refresh", None)
+    try:
+        if refresh is not None:
+            await refresh()
+        if inspect.iscoroutinefunction(target.sample):
+            values = await target.sample()
+        else:
+            values = await asyncio.to_thread(target.sample)
+    except Exception as exc:  # noqa: BLE001 - recorded like a periodic sample's error
+        errors.append(f"{base['t_s']:.3f}s (final) {type(exc).__name__}: {exc}")
+        return
+    if values:
+        samples.append({**base, **{k: float(v) for k, v in values.items()}})

@@ -229,6 +229,12 @@ class WorkflowTarget:
         sample.update(parts)
         return sample
 
+    async def refresh(self) -> None:
+        """The invoker's periodic figures (the proxies' `stats`) read again now (`Target.refresh`)."""
+        refresh = getattr(self._engine.invoker, "refresh_stats", None) if self._engine else None
+        if refresh is not None:
+            await refresh()
+
     def describe(self) -> dict[str, Any]:
         invoker = self._engine.invoker if self._engine is not None else None
         described = getattr(invoker, "describe", None)
@@ -335,7 +341,11 @@ def _proxy_memory(invoker: Invoker) -> dict[str, float]:
         profiles = stats.get("profiles", {})  # fm+rs: runs Algorithm 1 saw with / without a profile
         totals["profiled_runs"] = totals.get("profiled_runs", 0.0) + profiles.get("profiled_runs", 0)
         totals["unprofiled_runs"] = totals.get("unprofiled_runs", 0.0) + profiles.get("unprofiled_runs", 0)
-        counts = {**_prefixed("pool", stats["pool"]["counters"]), **_prefixed("io", stats.get("io", {}))}
+        counts = {
+            **_prefixed("pool", stats["pool"]["counters"]),
+            **_prefixed("io", stats.get("io", {})),
+            **_prefixed("proxy", stats.get("process", {})),
+        }
         for key, value in counts.items():
             totals[key] = totals.get(key, 0.0) + float(value)
     return totals

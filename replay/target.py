@@ -55,7 +55,10 @@ class Target(Protocol):
     driver calls it for every arrival at its time, however many are outstanding. `sample` is called
     from a worker thread every sampling period; it must only read, and return numbers (see
     SAMPLE_KEYS). `start` runs before the first arrival and is not timed; `close` after the last.
-    `describe` returns the system's own configuration (ablation flags, presets) for config.json."""
+    `describe` returns the system's own configuration (ablation flags, presets) for config.json.
+    A target whose samples read figures it refreshes periodically may also define `async refresh()`:
+    the driver awaits it once the last request is done, before the final sample (so that running
+    counts, `COUNTER_PREFIX`, cover the whole run)."""
 
     name: str
 

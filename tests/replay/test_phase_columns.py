@@ -49,6 +49,7 @@ def test_requests_csv_has_phases_that_add_up(tmp_path):
     counters = result.summary["counters"]  # the proxy's pool and IO daemon, summed, as of the last sample
     assert counters["pool.allocations"] >= counters["pool.frees"] > 0
     assert counters["pool.grows"] >= 1 and counters["io.blocks"] >= 1
+    assert counters["proxy.cpu_user_s"] + counters["proxy.cpu_system_s"] > 0  # the proxy's own CPU time
     with (result.run_dir / "samples.csv").open() as f:
         grows = [float(r["counter.pool.grows"]) for r in csv.DictReader(f) if r["counter.pool.grows"]]
     assert grows == sorted(grows) and grows[-1] == counters["pool.grows"]
