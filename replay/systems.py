@@ -345,6 +345,7 @@ def _proxy_memory(invoker: Invoker) -> dict[str, float]:
             **_prefixed("pool", stats["pool"]["counters"]),
             **_prefixed("io", stats.get("io", {})),
             **_prefixed("proxy", stats.get("process", {})),
+            **_prefixed("proxy.thread_cpu_s", stats.get("process", {}).get("threads", {})),
         }
         for key, value in counts.items():
             totals[key] = totals.get(key, 0.0) + float(value)
