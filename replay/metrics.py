@@ -6,8 +6,9 @@ A run directory holds:
   request's phases in ms, `PHASE_COLUMNS`, empty where the system did not measure them),
 - `samples.csv`: one row per sample of the target (t_s, memory_used_bytes, pool_bytes, demand_bytes,
   memory.<component>_bytes, outstanding, ...),
-- `summary.json`: the figures below, and `counters`: each `counter.*` sample column's last value (the
-  proxies' pool grows and trims, their IO daemons' blocks, ...).
+- `summary.json`: the figures below, `memory_by_workflow` (mean and peak of each `workflow_memory.*`
+  series: the device bytes of one workflow's runtimes), and `counters`: each `counter.*` sample
+  column's last value (the proxies' pool grows and trims, their IO daemons' blocks, ...).
 
 Definitions: throughput = requests with status "ok" / run duration (start to the last completion);
 goodput counts only those within the SLO; latency percentiles are over "ok" requests; mean memory is
@@ -30,7 +31,7 @@ import numpy as np
 from streambox.phases import PHASES
 
 from .driver import DriveResult, RequestRecord
-from .target import COMPONENT_PREFIX, COUNTER_PREFIX
+from .target import COMPONENT_PREFIX, COUNTER_PREFIX, WORKFLOW_MEMORY_PREFIX
 
 MEMORY_KEYS = ("memory_used_bytes", "pool_bytes", "demand_bytes")
 #: requests.csv's phase columns (ms), one per `streambox.phases.PHASES`, in that order
@@ -84,6 +85,7 @@ def summarize(result: DriveResult, *, slo_s: float, window_s: float | None = Non
     lags = [max(r.sent_s - r.scheduled_s, 0.0) for r in records]
     memory = {key: _series_stats(result.samples, key) for key in MEMORY_KEYS}
     components = sorted({k for s in result.samples for k in s if k.startswith(COMPONENT_PREFIX)})
+    workflows = sorted({k for s in result.samples for k in s if k.startswith(WORKFLOW_MEMORY_PREFIX)})
     pool, demand = memory["pool_bytes"], memory["demand_bytes"]
     return {
         "requests": {
@@ -104,6 +106,9 @@ def summarize(result: DriveResult, *, slo_s: float, window_s: float | None = Non
         "cold_start_rate": sum(r.cold_start for r in records) / len(records) if records else None,
         "memory": memory,
         "memory_components": {c: _series_stats(result.samples, c) for c in components},
+        "memory_by_workflow": {
+            w[len(WORKFLOW_MEMORY_PREFIX) :]: _series_stats(result.samples, w) for w in workflows
+        },
         "counters": _last_counters(result.samples),
         "pool_over_demand": (
             pool["mean_bytes"] / demand["mean_bytes"]

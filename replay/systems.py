@@ -57,7 +57,7 @@ from streambox.workflows.engine import Engine
 from streambox.workflows.invoker import Invoker
 from streambox.workflows.spec import WorkflowSpec
 
-from .target import COUNTER_PREFIX, Outcome, SystemRequest
+from .target import COUNTER_PREFIX, WORKFLOW_MEMORY_PREFIX, Outcome, SystemRequest
 from .tenants import tenant_of, tenant_spec_name
 
 #: The paper's keep-alive (10 minutes of trace time).
@@ -211,6 +211,8 @@ class WorkflowTarget:
         used = float(sum(u.used_memory for u in usage))
         runtimes = sum(u.runtimes for u in usage)
         parts = self._memory(self._engine.invoker)
+        for spec in self._specs.values():  # a workflow with no runtime now (its proxy stopped) holds 0
+            parts.setdefault(f"{WORKFLOW_MEMORY_PREFIX}{spec.name}", 0.0)
         sample = {
             "memory_used_bytes": used,
             "runtimes": float(runtimes),
@@ -333,7 +335,9 @@ def _proxy_settings(system: str) -> Callable[[WorkflowOptions, dict[str, str]], 
 def _proxy_memory(invoker: Invoker) -> dict[str, float]:
     """Pool, weights and instances summed over the invoker's proxies, as they reported last."""
     totals = {"pool_reserved_bytes": 0.0, "pool_used_bytes": 0.0, "weights_bytes": 0.0, "instances": 0.0}
-    for stats in invoker.last_stats().values():  # type: ignore[attr-defined]
+    for workflow, stats in invoker.last_stats().items():  # type: ignore[attr-defined]
+        # the proxy's runtime: its context and every byte it allocated (pool, weights, store)
+        totals[f"{WORKFLOW_MEMORY_PREFIX}{workflow}"] = float(stats["device"]["runtime_bytes"])
         totals["pool_reserved_bytes"] += stats["pool"]["reserved_bytes"]
         totals["pool_used_bytes"] += stats["pool"]["allocated_bytes"]
         totals["weights_bytes"] += stats.get("models_resident_bytes", 0)
@@ -432,7 +436,11 @@ def _monolithic_settings(
 def _monolithic_memory(invoker: Invoker) -> dict[str, float]:
     parts = dict(invoker.memory_breakdown())  # type: ignore[attr-defined]
     parts.pop("context_bytes", None)  # counted from the ledger's runtimes, as for the proxies
-    return {k: float(v) for k, v in parts.items()}
+    by_workflow = invoker.memory_by_workflow()  # type: ignore[attr-defined]
+    return {
+        **{k: float(v) for k, v in parts.items()},
+        **{f"{WORKFLOW_MEMORY_PREFIX}{w}": float(v) for w, v in by_workflow.items()},
+    }
 
 
 def _per_instance_target(name: str, request: SystemRequest, system: str, data_path: str) -> WorkflowTarget:

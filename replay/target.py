@@ -28,6 +28,9 @@ COMPONENT_PREFIX = "memory."
 #: A sample key with this prefix is a running count since the system started (the pool's grows, the IO
 #: daemon's blocks); the summary reports its last value (`summarize`, "counters").
 COUNTER_PREFIX = "counter."
+#: `workflow_memory.<workflow>`: device bytes of one workflow's runtimes (its proxy, or its instances:
+#: contexts, framework runtimes and everything they allocated); the summary's `memory_by_workflow`.
+WORKFLOW_MEMORY_PREFIX = "workflow_memory."
 
 #: The systems the replay compares (registered below; see replay/systems.py).
 PLANNED_SYSTEMS = ("streambox", "stream-only", "infless", "astraea", "monolithic")

@@ -495,6 +495,16 @@ class MonolithicInvoker:
         totals["busy_instances"] = float(busy)
         return totals
 
+    def memory_by_workflow(self) -> dict[str, int]:
+        """Device bytes of each workflow's live instances, as they reported last: their runtimes'
+        allocated bytes (context and framework runtime included, `Runtime.allocated_bytes`)."""
+        with self._lock:
+            reports = [(self._owners[i][0], r) for i, r in self._reports.items() if i in self._owners]
+        totals: dict[str, int] = {}
+        for workflow, report in reports:
+            totals[workflow] = totals.get(workflow, 0) + int(report.get("allocated_bytes", 0))
+        return totals
+
     def inference_counts(self) -> dict[str, int]:
         """The instances' inferences since the invoker started (stopped instances included):
         `plan_runs` (a batch counts once) against the `infer_calls` they served, `batched_runs` and

@@ -97,6 +97,11 @@ def test_the_replay_figures_quick_share_one_comparison(tmp_path: Path) -> None:
     )
     assert sorted(p.name for p in (out / "replay").iterdir()) == ["report", "stream-only", "streambox"]
     _check_figures(out, figures)
+    # Fig. 12 (right): memory per workflow, each system's and StreamBox / the baseline
+    metrics = {r["metric"]: r["ours"] for r in json.loads((out / "fig12" / "table.json").read_text())["rows"]}
+    assert metrics["mean memory, traffic, streambox"] > 0
+    assert metrics["mean memory, traffic, streambox / stream-only"] > 0
+    assert (out / "fig12" / "mean_memory_per_workflow.png").exists()
     # --reuse rebuilds the tables from the same measurements: no replay or benchmark runs again
     measured = {
         p: p.stat().st_mtime_ns for p in [*out.glob("replay/*/summary.json"), *out.glob("bench/*.json")]

@@ -53,3 +53,7 @@ def test_requests_csv_has_phases_that_add_up(tmp_path):
     with (result.run_dir / "samples.csv").open() as f:
         grows = [float(r["counter.pool.grows"]) for r in csv.DictReader(f) if r["counter.pool.grows"]]
     assert grows == sorted(grows) and grows[-1] == counters["pool.grows"]
+    by_workflow = result.summary["memory_by_workflow"]  # the one proxy's runtime: context and all it holds
+    assert list(by_workflow) == ["image-processing"]
+    peak = result.summary["memory"]["memory_used_bytes"]["peak_bytes"]
+    assert 0 < by_workflow["image-processing"]["mean_bytes"] <= peak

@@ -163,6 +163,10 @@ def test_instances_are_processes_keys_cross_them_through_redis_and_failures_stay
             assert _runtimes(config) == 2
             (stats,) = invoker.runtime_stats()
             assert stats.workflow == "mono" and stats.instances == {"act": 2}
+            # per workflow: its instances' runtimes whole (contexts and all they allocated)
+            (mono_bytes,) = invoker.memory_by_workflow().values()
+            assert list(invoker.memory_by_workflow()) == ["mono"]
+            assert mono_bytes >= 2 * context + memory["pool_reserved_bytes"]
 
             # A handler that raises fails its call only: the instance stays warm.
             with pytest.raises(InvocationError, match="bad input") as raised:
@@ -192,7 +196,7 @@ def test_instances_are_processes_keys_cross_them_through_redis_and_failures_stay
                 "mps_clients": 0.0,
             }
             assert _runtimes(config) == 0
-            assert list(invoker.runtime_stats()) == []
+            assert list(invoker.runtime_stats()) == [] and invoker.memory_by_workflow() == {}
         finally:
             await engine.close()
 
