@@ -169,20 +169,38 @@ def _workflow_memory_rows(session: Session) -> list[Row]:
 
 
 def _plot_workflow_memory(session: Session, path: Path) -> None:
-    workflows, systems = _workflows_measured(session), list(session.comparison())
+    workflows = _workflows_measured(session)
     if not workflows:
         return
-    fig, ax = plt.subplots(figsize=(2.4 * len(workflows) + 3, 4.2))
-    width = 0.8 / len(systems)
-    for i, system in enumerate(systems):
-        source = _summary(session, system)
-        values = [
-            computed(session.out, [Source(source, f"memory_by_workflow.{w}.mean_bytes")], "value") / 2**20
+    series = {
+        system: [
+            computed(
+                session.out,
+                [Source(_summary(session, system), f"memory_by_workflow.{w}.mean_bytes")],
+                "value",
+            )
+            / 2**20
             for w in workflows
         ]
-        ax.bar([g + i * width for g in range(len(workflows))], values, width=width, label=system)
-    ax.set_xticks([g + width * (len(systems) - 1) / 2 for g in range(len(workflows))], workflows)
-    ax.set(title="Mean GPU memory per workflow (its runtimes)", ylabel="MiB")
+        for system in session.comparison()
+    }
+    _grouped_bars(path, workflows, series, "Mean GPU memory per workflow (its runtimes)", "MiB")
+
+
+# -- Figure 13: throughput ---------------------------------------------------------------------------
+
+
+def _grouped_bars(
+    path: Path, groups: Sequence[str], series: dict[str, list[float]], title: str, ylabel: str
+) -> None:
+    """One bar per system (`series`: system -> a value per group) in each group, side by side."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(2.2 * max(len(groups), 1) + 3, 4.2))
+    width = 0.8 / max(len(series), 1)
+    for i, (system, values) in enumerate(series.items()):
+        ax.bar([g + i * width for g in range(len(groups))], values, width=width, label=system)
+    ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], list(groups))
+    ax.set(title=title, ylabel=ylabel)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -190,16 +208,11 @@ def _plot_workflow_memory(session: Session, path: Path) -> None:
     plt.close(fig)
 
 
-# -- Figure 13: throughput ---------------------------------------------------------------------------
-
-
 def _plot_grouped(session: Session, column: str, path: Path, title: str) -> None:
     systems = list(session.comparison())
     groups = sorted({g for s in systems for g in _groups(session, s, column)})
-    fig, ax = plt.subplots(figsize=(2.2 * max(len(groups), 1) + 3, 4.2))
-    width = 0.8 / max(len(systems), 1)
-    for i, system in enumerate(systems):
-        values = [
+    series = {
+        system: [
             computed(
                 session.out,
                 [
@@ -210,14 +223,9 @@ def _plot_grouped(session: Session, column: str, path: Path, title: str) -> None
             )
             for group in groups
         ]
-        ax.bar([g + i * width for g in range(len(groups))], values, width=width, label=system)
-    ax.set_xticks([g + width * (len(systems) - 1) / 2 for g in range(len(groups))], groups)
-    ax.set(title=title, ylabel="completed requests per second")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        for system in systems
+    }
+    _grouped_bars(path, groups, series, title, "completed requests per second")
 
 
 def _group_rows(session: Session, column: str, base: str) -> list[Row]:
@@ -796,31 +804,18 @@ def figure_19(session: Session) -> FigureResult:
 
 
 def _plot_tenant_memory(runs: dict[int, dict[str, Path]], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     users = list(runs)
-    systems = list(runs[users[0]])
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    width = 0.8 / len(systems)
-    for i, system in enumerate(systems):
-        means = [
+    series = {
+        system: [
             computed(runs[n][system], [Source("summary.json", SUMMARY_METRICS["memory"][2])], "value")
+            / (1 << 30)
             for n in users
         ]
-        ax.bar(
-            [x + i * width for x in range(len(users))],
-            [m / (1 << 30) for m in means],
-            width=width,
-            label=system,
-        )
-    ax.set_xticks(
-        [x + width * (len(systems) - 1) / 2 for x in range(len(users))], [f"{n} users" for n in users]
+        for system in runs[users[0]]
+    }
+    _grouped_bars(
+        path, [f"{n} users" for n in users], series, "Mean device memory, users of Traffic on one GPU", "GiB"
     )
-    ax.set(title="Mean device memory, users of Traffic on one GPU", ylabel="GiB")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 FIGURES: dict[str, Callable[[Session], FigureResult]] = {
