@@ -72,28 +72,37 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
 
 
 def _process_usage() -> dict[str, Any]:
-    """CPU seconds of this process (user, system), its context switches since it started, and the CPU
-    seconds of its live threads by role (`threads`: thread names without their numbering, e.g. every
-    `streambox-issuer_<i>` as one; Linux only, empty elsewhere)."""
+    """CPU seconds of this process (user, system) and its context switches since it started; per
+    live thread role (thread names without their numbering, e.g. every `streambox-issuer_<i>` as one)
+    its CPU seconds (`threads`) and voluntary switches, i.e. times it blocked (`thread_switches`).
+    The per-thread figures are Linux only (empty elsewhere)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu, switches = _per_thread_role()
     return {
         "cpu_user_s": usage.ru_utime,
         "cpu_system_s": usage.ru_stime,
         "voluntary_switches": float(usage.ru_nvcsw),
         "involuntary_switches": float(usage.ru_nivcsw),
-        "threads": _thread_cpu_seconds(),
+        "threads": cpu,
+        "thread_switches": switches,
     }
 
 
-def _thread_cpu_seconds() -> dict[str, float]:
+def _per_thread_role() -> tuple[dict[str, float], dict[str, float]]:
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    by_role: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    switches: dict[str, float] = {}
     for thread in threading.enumerate():
+        task = f"/proc/self/task/{thread.native_id}"
         try:
-            with open(f"/proc/self/task/{thread.native_id}/stat") as stream:
+            with open(f"{task}/stat") as stream:
                 fields = stream.read().rsplit(")", 1)[1].split()
+            with open(f"{task}/status") as stream:
+                status = stream.read()
         except (OSError, IndexError):  # not Linux, or the thread ended meanwhile
             continue
         role = re.sub(r"[-_]?\d+(?= \(|$)", "", thread.name) or thread.name
-        by_role[role] = by_role.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
-    return by_role
+        cpu[role] = cpu.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        found = re.search(r"^voluntary_ctxt_switches:\s*(\d+)", status, re.MULTILINE)
+        switches[role] = switches.get(role, 0.0) + (float(found.group(1)) if found else 0.0)
+    return cpu, switches
