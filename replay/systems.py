@@ -350,7 +350,7 @@ def _proxy_memory(invoker: Invoker) -> dict[str, float]:
             **_prefixed("io", stats.get("io", {})),
             **_prefixed("proxy", stats.get("process", {})),
             **_prefixed("proxy.thread_cpu_s", stats.get("process", {}).get("threads", {})),
-            **_prefixed("proxy.thread_switches", stats.get("process", {}).get("thread_switches", {})),
+            **_prefixed("proxy.thread_runs", stats.get("process", {}).get("thread_runs", {})),
         }
         for key, value in counts.items():
             totals[key] = totals.get(key, 0.0) + float(value)
