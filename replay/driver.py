@@ -161,23 +161,18 @@ async def drive(
             bar_task, completed=counters["done"], sent=counters["sent"], outstanding=len(outstanding) - 1
         )
 
+    def where() -> dict[str, float]:
+        return {
+            "t_s": loop.time() - t0,
+            "outstanding": float(len(outstanding)),
+            "sent": float(counters["sent"]),
+            "completed": float(counters["done"]),
+        }
+
     async def sampler() -> None:
-        is_async = inspect.iscoroutinefunction(target.sample)
         tick = 0
         while True:
-            try:
-                values = await target.sample() if is_async else await asyncio.to_thread(target.sample)
-                samples.append(
-                    {
-                        "t_s": loop.time() - t0,
-                        "outstanding": float(len(outstanding)),
-                        "sent": float(counters["sent"]),
-                        "completed": float(counters["done"]),
-                        **{k: float(v) for k, v in values.items()},
-                    }
-                )
-            except Exception as exc:
-                sample_errors.append(f"{loop.time() - t0:.3f}s {type(exc).__name__}: {exc}")
+            await _take_sample(target, where(), samples, sample_errors)
             # next point of the grid that is still ahead (a slow sample skips ticks, never bunches)
             tick = max(tick + 1, math.floor((loop.time() - t0) / sample_interval_s) + 1)
             await asyncio.sleep(max(t0 + tick * sample_interval_s - loop.time(), 0))
@@ -198,13 +193,9 @@ async def drive(
         duration = loop.time() - t0
         sampling.cancel()
         await asyncio.gather(sampling, return_exceptions=True)
-        base = {
-            "t_s": loop.time() - t0,
-            "outstanding": float(len(outstanding)),
-            "sent": float(counters["sent"]),
-            "completed": float(counters["done"]),
-        }
-        await _final_sample(target, samples, sample_errors, base)
+        # a last sample after the last request, its figures read again where the target can
+        # (`Target.refresh`): the run's counts as they ended, not as of the last periodic refresh
+        await _take_sample(target, where(), samples, sample_errors, refresh=True)
     return DriveResult(
         records=[r for r in records if r is not None],
         samples=samples,
@@ -217,21 +208,23 @@ async def drive(
     )
 
 
-async def _final_sample(
-    target: Target, samples: list[dict[str, float]], errors: list[str], base: dict[str, float]
+async def _take_sample(
+    target: Target,
+    where: dict[str, float],
+    samples: list[dict[str, float]],
+    errors: list[str],
+    refresh: bool = False,
 ) -> None:
-    """One sample after the last request, its figures refreshed first where the target can
-    (`Target.refresh`): the run's counts as they ended, not as of the last periodic refresh."""
-    refresh = getattr(target, "refresh", None)
+    """Append the target's sample (`Target.sample`, on a worker thread unless it is a coroutine),
+    after `Target.refresh` when asked and defined; an error is recorded, not raised."""
     try:
-        if refresh is not None:
-            await refresh()
+        if refresh and (again := getattr(target, "refresh", None)) is not None:
+            await again()
         if inspect.iscoroutinefunction(target.sample):
             values = await target.sample()
         else:
             values = await asyncio.to_thread(target.sample)
-    except Exception as exc:  # noqa: BLE001 - recorded like a periodic sample's error
-        errors.append(f"{base['t_s']:.3f}s (final) {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a sample's error is kept with the run, not raised
+        errors.append(f"{where['t_s']:.3f}s {type(exc).__name__}: {exc}")
         return
-    if values:
-        samples.append({**base, **{k: float(v) for k, v in values.items()}})
+    samples.append({**where, **{k: float(v) for k, v in values.items()}})
