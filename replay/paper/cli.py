@@ -33,6 +33,13 @@ def add_paper_arguments(p: argparse.ArgumentParser) -> None:
         help="build the tables from the measurements already in --out (same size), measuring only "
         "what is missing",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="figures 12-14: replay the comparison this many times (by turns) and add, per factor "
+        "StreamBox / baseline, its median over the runs and each run's value (default 1)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=cmd_paper)
 
@@ -58,7 +65,11 @@ def cmd_paper(args: argparse.Namespace) -> int:
     systems = (
         tuple(s.strip() for s in args.systems.split(",") if s.strip()) if args.systems else paper_systems()
     )
-    session = Session(args.out, args.quick, systems, progress=not args.no_progress, reuse=args.reuse)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    session = Session(
+        args.out, args.quick, systems, progress=not args.no_progress, reuse=args.reuse, repeats=args.repeats
+    )
     not_built = []
     for figure in wanted:
         try:

@@ -66,6 +66,32 @@ def _versus(session: Session, metric: str, key: str, base: str, paper: str) -> R
     )
 
 
+def _repeated(session: Session, metric: str, key: str, paper: str) -> list[Row]:
+    """With `--repeats N` (N > 1): per baseline, the median over the N comparisons of StreamBox /
+    baseline of a summary figure, each run's factor in the row's note (nothing when N = 1)."""
+    runs = session.repeated_comparisons() if session.repeats > 1 else []
+    rows = []
+    for base in _baselines(session) if runs else ():
+        pairs = [
+            Source(session.relative(run[system] / "summary.json"), key)
+            for run in runs
+            for system in (OURS, base)
+        ]
+        each = [computed(session.out, pairs[i : i + 2], "ratio") for i in range(0, len(pairs), 2)]
+        rows.append(
+            row_from(
+                session.out,
+                f"{metric}, streambox / {base}, median of {len(runs)} runs",
+                "x",
+                pairs,
+                "median_ratio",
+                paper_key=f"{paper}.{base}",
+                note="each run: " + ", ".join(f"{v:.2f}x" for v in each),
+            )
+        )
+    return rows
+
+
 #: The per-request phase columns of a replay's requests.csv (`<phase>_ms`), in the order of a request.
 PHASE_COLUMNS = ("cold_start", "queue", "model_load", "compute", "comm", "other")
 
@@ -123,6 +149,7 @@ def figure_12(session: Session) -> FigureResult:
         _versus(session, "mean memory", "memory.memory_used_bytes.mean_bytes", b, "12.mean_memory")
         for b in _baselines(session)
     ]
+    rows += _repeated(session, "mean memory", "memory.memory_used_bytes.mean_bytes", "12.mean_memory")
     rows += _workflow_memory_rows(session)
     session.copy_plots(["memory_over_time", "mean_memory"], root / "fig12")
     _plot_workflow_memory(session, root / "fig12" / "mean_memory_per_workflow.png")
@@ -273,6 +300,7 @@ def figure_13(session: Session) -> FigureResult:
         )
         rows += _group_rows(session, "workflow", base)
         rows += _group_rows(session, "pattern", base)
+    rows += _repeated(session, "throughput", "throughput_rps", "13.throughput")
     folder = root / "fig13"
     session.copy_plots(["throughput"], folder)
     _plot_grouped(session, "pattern", folder / "throughput_by_pattern.png", "Throughput per arrival pattern")
@@ -334,6 +362,7 @@ def figure_14(session: Session) -> FigureResult:
             )
             for workflow in _groups(session, OURS, "workflow")
         ]
+    rows += _repeated(session, "p50 latency", "latency_ms.p50", "14.latency")
     session.copy_plots(["latency_cdf", "slo_violations"], root / "fig14")
     notes = [
         "breakdown: each request's time along its critical path, per phase (requests.csv: cold start, "

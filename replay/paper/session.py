@@ -104,10 +104,12 @@ class Session:
     systems: tuple[str, ...]
     progress: bool = True
     reuse: bool = False  # take the measurements already in `out` when they are of the same size
+    repeats: int = 1  # replay comparisons for figures 12-14: the first, then out/replay-2, ...
     load_at_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
     _comparison: dict[str, Path] | None = field(default=None, init=False)
     _tenants: dict[int, dict[str, Path]] = field(default_factory=dict, init=False)
     _benchmarks: dict[str, Path] = field(default_factory=dict, init=False)
+    _repeats: dict[Path, dict[str, Path]] = field(default_factory=dict, init=False)
 
     @property
     def size(self) -> ReplaySize:
@@ -119,6 +121,17 @@ class Session:
         if self._comparison is None:
             self._comparison = self._compare(self.out / "replay", self.size)
         return self._comparison
+
+    def repeated_comparisons(self) -> list[dict[str, Path]]:
+        """`repeats` replay comparisons of the same size and arrivals: `comparison()` first, then
+        out/replay-2, ... (run on first use, by turns of whole comparisons): the spread of a factor
+        between runs on a shared host, and its median."""
+        runs = [self.comparison()]
+        while len(runs) < self.repeats:
+            folder = self.out / f"replay-{len(runs) + 1}"
+            self._repeats[folder] = self._repeats.get(folder) or self._compare(folder, self.size)
+            runs.append(self._repeats[folder])
+        return runs
 
     def tenants(self, users: int) -> dict[str, Path]:
         """system -> run directory of `users` tenants of Traffic on one GPU (out/tenants<N>/<system>)."""

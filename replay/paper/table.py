@@ -24,7 +24,7 @@ from typing import Any, Literal
 from ..metrics import write_json
 from .numbers import PaperNumber, paper_number
 
-Formula = Literal["value", "value_us", "ratio", "ratio_of_ratios", "share_of_gain"]
+Formula = Literal["value", "value_us", "ratio", "ratio_of_ratios", "share_of_gain", "median_ratio"]
 
 
 class TableError(ValueError):
@@ -124,6 +124,11 @@ def computed(root: Path, sources: Sequence[Source], formula: str) -> float:
         first = values[0] / values[1] if values[1] else math.nan
         second = values[2] / values[3] if values[3] else math.nan
         return first / second if second else math.nan
+    if formula == "median_ratio":  # sources in pairs (numerator, denominator), one pair per repeat
+        if len(values) % 2:
+            raise TableError(f"median_ratio needs (numerator, denominator) pairs, got {len(values)} sources")
+        ratios = [n / d for n, d in zip(values[::2], values[1::2], strict=True) if d and math.isfinite(n / d)]
+        return statistics.median(ratios) if ratios else math.nan
     raise TableError(f"unknown formula {formula!r}")
 
 

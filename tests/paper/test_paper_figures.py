@@ -54,6 +54,20 @@ def test_a_table_number_that_is_not_in_its_source_is_caught(tmp_path: Path) -> N
         Row("m", 1.0, "x", [], paper_key="13.no-such")
 
 
+def test_a_median_over_repeats_is_the_median_of_each_runs_ratio(tmp_path: Path) -> None:
+    sources = []
+    for i, (ours, base) in enumerate([(1.0, 2.0), (3.0, 1.0), (1.0, 1.0)]):  # ratios 0.5, 3, 1
+        (tmp_path / f"r{i}").mkdir()
+        (tmp_path / f"r{i}" / "ours.json").write_text(json.dumps({"p50": ours}))
+        (tmp_path / f"r{i}" / "base.json").write_text(json.dumps({"p50": base}))
+        sources += [Source(f"r{i}/ours.json", "p50"), Source(f"r{i}/base.json", "p50")]
+    row = row_from(tmp_path, "p50, median of 3 runs", "x", sources, "median_ratio")
+    assert row.ours == 1.0  # not the ratio of medians (1.0 / 1.0 here too) but of each run: 0.5, 1, 3
+    assert row_from(tmp_path, "two", "x", sources[:4], "median_ratio").ours == pytest.approx(1.75)
+    with pytest.raises(ValueError, match="pairs"):
+        row_from(tmp_path, "odd", "x", sources[:3], "median_ratio")
+
+
 def test_an_unknown_figure_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["paper", "11"]) == 2
     assert "figure '11' is not one of 12" in capsys.readouterr().err
@@ -115,6 +129,22 @@ def test_the_replay_figures_quick_share_one_comparison(tmp_path: Path) -> None:
     )
     assert {p: p.stat().st_mtime_ns for p in measured} == measured
     _check_figures(out, figures)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # two replay comparisons of two systems, three requests each
+def test_repeats_add_each_factors_median_over_the_runs(tmp_path: Path) -> None:
+    out = tmp_path / "paper"
+    args = ["paper", "14", "--quick", "--no-progress", "--out", str(out)]
+    args += ["--systems", "streambox,stream-only"]
+    assert main([*args, "--repeats", "2"]) == 0
+    assert (out / "replay-2" / "streambox" / "summary.json").exists()
+    _check_figures(out, ["14"])
+    rows = {r["metric"]: r for r in json.loads((out / "fig14" / "table.json").read_text())["rows"]}
+    median = rows["p50 latency, streambox / stream-only, median of 2 runs"]
+    assert median["formula"] == "median_ratio" and len(median["sources"]) == 4
+    assert median["note"].startswith("each run: ") and median["paper"] is not None
+    assert main([*args, "--repeats", "0"]) == 2
 
 
 @pytest.mark.slow
