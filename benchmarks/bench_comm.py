@@ -23,6 +23,11 @@ Communication overhead = PUT + GET time + the competitor's stall while the store
 over the next 20 ms window (the same step schedule the competitor follows, as the memory pool's demand
 model would from profiles) and moves data out ahead of it; AM sends it to the other GPU instead of
 host memory. The Func-IPC row passes the same items through Redis.
+
+Part 3 (Table 2's stream-only column, paper Fig. 16 left: "by 73% compared to Stream-only"): a PUT
+and its GET through two real proxies that differ only in their store, StreamBox's managed store and
+stream-only's CUDA-IPC style store, with the GPU free and with another process holding all but half
+the item's size during the PUT (benchmarks/comm_proxy.py; `proxy_stores` in the JSON).
 """
 
 from __future__ import annotations
@@ -553,7 +558,7 @@ def main() -> int:
                 ((False, False), (True, False), (False, True), (True, True))]
         ipc_row = func_ipc_pressure(redis, rounds, setup) if redis is not None else None
         print_pressure(rows, ipc_row, setup)
-        proxy_stores(args.quick)
+        proxies = proxy_stores(args.quick)
     finally:
         if redis is not None:
             redis.stop()
@@ -561,7 +566,8 @@ def main() -> int:
                {"quick": args.quick, "repeats": repeats, "ipc_repeats": ipc_repeats, "rounds": rounds,
                 "device": EMULATED, "cuda_ipc_model": CudaIpcModel().label,
                 "pressure_setup": PressureSetup(dilation=args.dilation).__dict__},
-               {"latency": lat, "data_paths": paths, "pressure": rows, "func_ipc_pressure": ipc_row})
+               {"latency": lat, "data_paths": paths, "pressure": rows, "func_ipc_pressure": ipc_row,
+                "proxy_stores": proxies})
     return 0
 
 

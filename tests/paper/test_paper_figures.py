@@ -155,6 +155,11 @@ def test_a_benchmark_figure_quick_writes_its_plots_and_a_measured_table(tmp_path
     assert main(["paper", figure, "--quick", "--out", str(out)]) == 0
     assert not (out / "replay").exists()  # a benchmark figure runs no replay
     _check_figures(out, [figure])
+    if figure == "16":  # stream-only's own data path (the CUDA-IPC store) beside StreamBox's store
+        rows = json.loads((out / "fig16" / "table.json").read_text())["rows"]
+        against = [r for r in rows if "stream-only's CUDA-IPC store" in r["metric"]]
+        assert against and all(r["ours"] and r["provenance"].startswith("partly modelled") for r in against)
+        assert any(r["paper_quote"] == "and by 73% compared to Stream-only" for r in against)
 
 
 @pytest.mark.slow
