@@ -291,11 +291,32 @@ def _is_handle(obj: Any) -> bool:
     return isinstance(obj[0], str) and isinstance(obj[1], int)
 
 
-def _check_jsonable(value: Any) -> None:
+#: The largest output a handler may return, in bytes of JSON: outputs travel as events to the next
+#: function and back to the caller, so they get the gateway's bound on a request body.
+MAX_OUTPUT_BYTES = 64 << 20
+
+
+def _as_json(value: Any) -> Any:
+    """The handler's output as its caller will see it, JSON's: string keys, no NaN or infinities, at
+    most `MAX_OUTPUT_BYTES`. Raises `FunctionFailed` saying why not, so that the output fails its
+    own request only (a map with integer keys used to reach the gateway and stop its reader)."""
     try:
-        json.dumps(value)
-    except (TypeError, ValueError) as exc:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise FunctionFailed(f"the handler returned a value that is not JSON-able: {exc}") from None
+    if len(text) > MAX_OUTPUT_BYTES:
+        raise FunctionFailed(
+            f"the handler's output is {len(text)} bytes as JSON, more than the bound of {MAX_OUTPUT_BYTES}; "
+            "put large data in the store (ctx.put) and return its key"
+        )
+    return json.loads(text)
+
+
+def _result(invocation_id: int, output: Any) -> bytes:
+    try:
+        return wire.pack([wire.RESULT, invocation_id, True, _as_json(output)])
+    except OverflowError as exc:  # msgpack carries integers of 64 bits at most
+        raise FunctionFailed(f"the handler's output cannot be sent: {exc} (integers are 64-bit)") from None
 
 
 def serve(
@@ -320,16 +341,15 @@ def serve(
         try:
             output = handler(ctx, event)
             client.flush()
-            _check_jsonable(output)
-            reply = [wire.RESULT, invocation_id, True, output]
+            reply = _result(invocation_id, output)
         except Exception as exc:  # the handler's failure fails its request only
             try:
                 client.flush()
             except Exception as late:  # noqa: BLE001 - reported with the handler's own error
                 exc.add_note(f"also: {type(late).__name__}: {late}")
             text = "".join(traceback.format_exception(exc))
-            reply = [wire.RESULT, invocation_id, False, [type(exc).__name__, str(exc), text]]
-        channel.send(wire.pack(reply))
+            reply = wire.pack([wire.RESULT, invocation_id, False, [type(exc).__name__, str(exc), text]])
+        channel.send(reply)
 
 
 Context = ProxyContext  # the name it had before the SDK's `Context` protocol

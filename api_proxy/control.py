@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import hmac
 import itertools
+import logging
 import os
 import secrets
 import shutil
@@ -51,6 +52,7 @@ LAUNCH_PROXY = (
 
 
 KEY_BYTES = 32
+log = logging.getLogger(__name__)
 KEY_FD_ENV = "STREAMBOX_CONTROL_KEY_FD"  # the number of the pipe the proxy reads its key from
 
 
@@ -69,6 +71,12 @@ class ControlRefused(IsolationError):
         super().__init__(message)
         self.call_id = call_id
         self.wire = encode_error(IsolationError(message))  # the caller sees an IsolationError
+
+
+def _reply(body: bytes) -> tuple[int, bool, Any]:
+    """A reply `[call_id, ok, value]`; maps may have non-string keys, as on the channel (`wire.unpack`)."""
+    reply_id, ok, value = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    return reply_id, ok, value
 
 
 def control_address(directory: Path | str) -> str:
@@ -193,7 +201,7 @@ class ProxyClient:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"proxy at {self.address}: no answer to {op!r} within {timeout} s")
                 continue
-            reply_id, ok, value = msgpack.unpackb(self._sock.recv(), raw=False)
+            reply_id, ok, value = _reply(self._sock.recv())
             if reply_id == call_id:
                 if not ok:
                     raise decode_error(value)
@@ -249,7 +257,12 @@ class AsyncProxyClient:
 
     async def _read(self) -> None:
         while True:
-            reply_id, ok, value = msgpack.unpackb(await self._sock.recv(), raw=False)
+            body = await self._sock.recv()
+            try:
+                reply_id, ok, value = _reply(body)
+            except (ValueError, TypeError) as exc:  # one bad reply must not stop every later call's
+                log.error("proxy at %s: an undecodable reply dropped: %s", self.address, exc)
+                continue
             future = self._pending.pop(reply_id, None)
             if future is None or future.done():
                 continue

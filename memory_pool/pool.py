@@ -175,9 +175,12 @@ class PoolCounters:
     fences: int = 0
     grows: int = 0
     grow_bytes: int = 0
+    grow_s: float = 0.0  # time spent growing, with the pool's lock held (the device's reserve, synced)
     trims: int = 0
     trim_bytes: int = 0
+    trim_s: float = 0.0  # time spent trimming, with the pool's lock held
     own_frees_waits: int = 0
+    own_frees_wait_s: float = 0.0
     run_ahead_waits: int = 0
     run_ahead_wait_s: float = 0.0
     pressure_trims: int = 0
@@ -662,8 +665,10 @@ class DeviceMemoryPool:
                 and own.pending_bytes + self._sub.reserved_bytes - self._sub.allocated_bytes >= size
             ):  # once this stream's frees land (coalescing with free neighbours), it may fit
                 self.counters.own_frees_waits += 1
+                waited = time.perf_counter()
                 # A stream that does not get there in time (a kernel stuck) stops this waiting.
                 ladder.wait_own = self._unlocked_wait(own.fenced[0][0], self.config.oom_wait_s)
+                self.counters.own_frees_wait_s += time.perf_counter() - waited
                 continue
             for frees in self._streams.values():  # lone frees elsewhere: collectable soon
                 self._fence_locked(frees, None)
@@ -720,19 +725,21 @@ class DeviceMemoryPool:
             self._lock.acquire()
 
     def _grow_locked(self, nbytes: int) -> None:
+        started = time.perf_counter()
         base = self._backend.alloc_async(nbytes, self._stream)
         # Stream-ordered memory: usable by other streams once the pool's stream has reached the alloc.
         self._stream.synchronize()
         self._sub.add_chunk(base, nbytes)
         self.counters.grows += 1
         self.counters.grow_bytes += nbytes
+        self.counters.grow_s += time.perf_counter() - started
         self._update_metrics()
 
     def _trim_locked(self, keep_bytes: int) -> int:
         plan = self._sub.trim_plan(keep_bytes)
         if not plan:
             return 0
-        released = 0
+        started, released = time.perf_counter(), 0
         for base in plan:
             released += self._sub.remove_chunk(base)
             self._backend.free_async(base, self._stream)
@@ -740,6 +747,7 @@ class DeviceMemoryPool:
         self._backend.trim_to(0)  # ...and this gives its cache back to the device
         self.counters.trims += 1
         self.counters.trim_bytes += released
+        self.counters.trim_s += time.perf_counter() - started
         self._update_metrics()
         return released
 

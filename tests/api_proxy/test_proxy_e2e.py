@@ -119,6 +119,17 @@ HANDLERS = textwrap.dedent(
     @streambox.function
     def not_json(ctx, event):
         return {"x": object()}
+
+    @streambox.function
+    def odd_output(ctx, event):
+        kind = event["kind"]
+        if kind == "intkey":
+            return {1: "a", "pid": os.getpid()}
+        if kind == "bigint":
+            return 10**40
+        if kind == "nan":
+            return {"f": float("nan")}
+        return "x" * ((64 << 20) + 1)
     """
 )
 
@@ -134,6 +145,7 @@ FUNCTIONS = (
     ProxyFunction("hang", "proxy_test_handlers:hang", timeout_ms=1500.0),
     ProxyFunction("foreign", "proxy_test_handlers:foreign"),
     ProxyFunction("not_json", "proxy_test_handlers:not_json"),
+    ProxyFunction("odd_output", "proxy_test_handlers:odd_output"),
     ProxyFunction("reput", "proxy_test_handlers:reput", models=("resnet18",)),
 )
 
@@ -265,6 +277,28 @@ def test_a_failing_handler_fails_only_its_request(proxies, side, settled):
     assert stats["instances_died"] - baseline["instances_died"] == 3
     assert stats["failures"] - baseline["failures"] == 5
     assert stats["functions"]["hang"]["instances"] == 0
+
+
+def test_an_output_is_json_s_or_fails_its_own_request(a):
+    """An output is what JSON makes of it (string keys); one JSON or the channel cannot carry (NaN, an
+    integer past 64 bits, more than the output bound) fails its request, and the instance serves on."""
+    client = a.client
+    first = client.invoke("odd_output", {"kind": "intkey"}, request_id="r-intkey")["output"]
+    assert first["1"] == "a"
+    for kind, match in (("nan", "not JSON-able: Out of range float"), ("bigint", "64-bit"),
+                        ("big", "more than the bound of 67108864")):
+        with pytest.raises(FunctionFailed, match=match):
+            client.invoke("odd_output", {"kind": kind}, request_id=f"r-{kind}")
+    after = client.invoke("odd_output", {"kind": "intkey"}, request_id="r-after")["output"]
+    assert after["pid"] == first["pid"]  # the same instance: none of these outputs took it down
+
+
+def test_a_reply_with_integer_keys_decodes() -> None:
+    import msgpack
+
+    from streambox.api_proxy.control import _reply
+
+    assert _reply(msgpack.packb([7, True, {1: "a"}], use_bin_type=True)) == (7, True, {1: "a"})
 
 
 def test_isolation_between_workflows(a, b):
