@@ -17,6 +17,7 @@ from streambox.settings_base import SettingsModel
 HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 HandlerRef = Annotated[str, StringConstraints(pattern=HANDLER_PATTERN, max_length=200)]
 DEFAULT_TIMEOUT_MS = 30_000.0
+MAX_TIMEOUT_MS = 86_400_000.0  # a day: a longer limit is a typo, not a plan
 DEFAULT_MAX_INSTANCES = 4
 MAX_BATCH_SIZE = 64  # plans for every batch size up to it are prepared at deploy
 MAX_QUEUE_DELAY_MS = 10_000.0
@@ -24,7 +25,10 @@ MAX_QUEUE_DELAY_MS = 10_000.0
 
 class StrictModel(BaseModel):
     # strict: YAML has real types, so "200" for a number or `yes` for a flag is a mistake, not a value.
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, frozen=True)
+    # allow_inf_nan: `.inf` or `.nan` for a time is a mistake too (and no JSON can carry it back).
+    model_config = ConfigDict(
+        extra="forbid", strict=True, populate_by_name=True, frozen=True, allow_inf_nan=False
+    )
 
 
 class FunctionSpec(StrictModel):
@@ -40,7 +44,9 @@ class FunctionSpec(StrictModel):
     max_queue_delay_ms: float = Field(
         0.0, ge=0, le=MAX_QUEUE_DELAY_MS, description="how long an inference waits for others to batch with"
     )
-    timeout_ms: float | None = Field(None, gt=0, description="one invocation's time limit")
+    timeout_ms: float | None = Field(
+        None, gt=0, le=MAX_TIMEOUT_MS, description="one invocation's time limit (at most a day)"
+    )
     gpu_percent: int | None = Field(
         None, ge=1, le=100, description="share of the GPU's compute units its kernels use (GPU%)"
     )

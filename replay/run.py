@@ -122,6 +122,13 @@ class RunResult:
 def build_workload(config: ReplayConfig) -> Workload:
     """Load, choose, map and shape: everything before a target is involved (pure but for the read)."""
     trace = load_trace(config.trace if config.trace is not None else sample_trace())
+    end = config.start_minute + config.minutes
+    if end > trace.minutes:
+        raise ValueError(
+            f"trace minutes [{config.start_minute}, {end}) run past the end of "
+            f"{config.trace or SAMPLE_NAME}, which has {trace.minutes} minutes: "
+            "lower --start-minute or --minutes"
+        )
     chosen = choose_functions(
         trace.functions,
         config.functions,
@@ -290,6 +297,7 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
         )
         target = resolve_system(config.system, request)
     run_dir = Path(config.out)
+    check_out_folder(run_dir)
     if (run_dir / "summary.json").exists() and not config.overwrite:
         raise ValueError(f"{run_dir} already holds a run (summary.json); choose another --out or overwrite")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -335,7 +343,7 @@ def run_replay(
     ReplayConfig's fields (start_minute, minute_seconds, functions, select, patterns, include, mapping,
     explicit_mapping, spacing, seed, slo_ms, max_requests, max_duration_s, request_timeout_s,
     drain_timeout_s, sample_interval_s, system_options, overwrite, progress)."""
-    workflows = tuple(w for w in (workflow.split(",") if isinstance(workflow, str) else workflow) if w)
+    workflows = _workflow_names(workflow)
     options = {name: value for name, value in options.items() if value is not None}  # None: default
     config = ReplayConfig(
         trace=str(trace) if trace is not None else None,
@@ -347,6 +355,17 @@ def run_replay(
         **options,
     )
     return execute(config, target)
+
+
+def check_out_folder(path: Path, flag: str = "--out") -> None:
+    """Refuse an output folder that is a file, before anything runs."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a folder")
+
+
+def _workflow_names(workflow: str | Sequence[str]) -> tuple[str, ...]:
+    """A name, "a,b", or a list: the workflows' names."""
+    return tuple(w for w in (workflow.split(",") if isinstance(workflow, str) else workflow) if w)
 
 
 def run_comparison(
@@ -362,12 +381,18 @@ def run_comparison(
 
     if not systems:
         raise ValueError("no system to compare")
+    if len(set(systems)) < len(systems):
+        raise ValueError(f"a system is named twice in {', '.join(systems)}: each writes out/<system>")
+    check_out_folder(Path(out))
     if options.get("target") is None:
         # Fail before the first run, not after it: an unknown system, or options one of them refuses
         # (e.g. `rz=off` where stream-only has no IO daemon).
         given = dict(options.get("system_options") or {})
         minute_seconds = float(options.get("minute_seconds") or ReplayConfig().minute_seconds)
+        workflows = expand_tenants(_workflow_names(options.get("workflow") or "traffic"))
         for system in systems:
-            resolve_system(system, SystemRequest(system, (), options=given, time_scale=minute_seconds / 60))
+            resolve_system(
+                system, SystemRequest(system, workflows, options=given, time_scale=minute_seconds / 60)
+            )
     results = [run_replay(trace, system=system, out=Path(out) / system, **options) for system in systems]
     return results, report([r.run_dir for r in results], Path(out) / "report")

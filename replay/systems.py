@@ -152,6 +152,9 @@ class WorkflowTarget:
         self._backend: Any = None
         self._engine: Engine | None = None
         self._inputs: dict[str, list[dict[str, Any]]] = {}
+        # Loaded (and validated) now, so that a bad workflow fails before the run writes anything.
+        small = self.options.inputs == "small"
+        self._loaded = {workflow: load_workflow(workflow, small) for workflow in request.workflows}
         self._specs: dict[str, WorkflowSpec] = {}
         self._context_bytes = 0
 
@@ -162,9 +165,7 @@ class WorkflowTarget:
         self._backend = self._config.open_backend()
         spec = getattr(self._backend, "spec", None)
         self._context_bytes = int(getattr(spec, "context_memory", 0))
-        small = self.options.inputs == "small"
-        for workflow in self.request.workflows:
-            spec_, make = load_workflow(workflow, small)
+        for workflow, (spec_, make) in self._loaded.items():
             self._specs[workflow] = spec_
             self._inputs[workflow] = [make(seed) for seed in range(self.options.variants)]
         invoker = self._make_invoker(self._config, self.options, self.invoker_options)

@@ -77,11 +77,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from streambox.workflows.commands import resolve_workflow_path
     from streambox.workflows.validation import validate_file
 
-    for path in args.paths:
-        spec = validate_file(resolve_workflow_path(path))
+    invalid = 0
+    for path in args.paths:  # every file is checked, whichever fails
+        try:
+            spec = validate_file(resolve_workflow_path(path))
+        except ValueError as error:
+            invalid += 1
+            print(f"streambox validate: error: {error}", file=sys.stderr)
+            continue
         counts = f"{len(spec.functions)} functions, {len(spec.edges)} edges"
         print(f"{path}: workflow {spec.name!r} is valid: {counts}")
-    return 0
+    return 2 if invalid else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -81,3 +81,25 @@ def test_validate_names_file_line_and_field(tmp_path, capsys):
 def test_validate_missing_file_lists_bundled_workflows(capsys):
     assert main(["validate", "nope.yaml"]) == 2
     assert "traffic" in capsys.readouterr().err
+
+
+def test_validate_reports_every_file_and_refuses_times_json_cannot_carry(tmp_path, capsys):
+    inf = tmp_path / "inf.yaml"
+    inf.write_text("name: demo\nslo_ms: .inf\nfunctions:\n  a: {handler: 'm:f', timeout_ms: 1.0e+300}\n")
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("name: demo\nslo_ms: 2e2\nfunctions: {}\n")
+    assert main(["validate", str(inf), str(exp), "traffic"]) == 2
+    captured = capsys.readouterr()
+    assert "inf.yaml:2:1: slo_ms: Input should be a finite number" in captured.err
+    assert "timeout_ms: Input should be less than or equal to 86400000" in captured.err
+    assert "exp.yaml:2:1: slo_ms:" in captured.err and "write it with a dot" in captured.err
+    assert "workflow 'traffic' is valid" in captured.out  # the files after a bad one are checked too
+
+
+def test_paper_refuses_an_empty_or_repeated_system_list_and_a_file_for_a_folder(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for args in (["--systems", ","], ["--systems", "streambox,streambox"], ["--out", str(afile)]):
+        assert main(["paper", "12", "--quick", *args]) == 2
+        assert "Traceback" not in capsys.readouterr().err
+    assert afile.read_text() == ""

@@ -61,6 +61,7 @@ from pydantic import Field, PrivateAttr, StringConstraints
 # A function's fields are defined once, beside the proxy's record of it (issue 15).
 from streambox.api_proxy.function_spec import (
     DEFAULT_TIMEOUT_MS,
+    MAX_TIMEOUT_MS,
     FunctionSpec,
     StrictModel,
 )
@@ -85,8 +86,8 @@ class EdgeSpec(StrictModel):
 class WorkflowSpec(StrictModel):
     name: Name
     description: str = ""
-    slo_ms: float = Field(gt=0)
-    timeout_ms: float = Field(DEFAULT_TIMEOUT_MS, gt=0)
+    slo_ms: float = Field(gt=0, le=MAX_TIMEOUT_MS)
+    timeout_ms: float = Field(DEFAULT_TIMEOUT_MS, gt=0, le=MAX_TIMEOUT_MS)
     output: Name | None = None
     functions: dict[Name, FunctionSpec] = Field(min_length=1)
     edges: list[EdgeSpec] = Field(default_factory=list)

@@ -13,6 +13,8 @@ mistakes are reported at once, one line each::
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,7 +202,20 @@ def _pydantic_issues(doc: _Document, error: ValidationError) -> None:
             what = _PATTERNS[err["ctx"]["pattern"]]
             doc.issue(tuple(p for p in loc if p != "[key]"), f"{err['input']!r} is not {what}")
         else:
-            doc.issue(loc, f"{err['msg']} (got {_short(err['input'])})")
+            doc.issue(loc, f"{err['msg']} (got {_short(err['input'])}){_yaml_number_hint(err)}")
+
+
+def _yaml_number_hint(err: Any) -> str:
+    """YAML 1.1 reads `2e2` (no dot) as text: say how to write it as a number."""
+    value = err["input"]
+    if err["type"] not in ("float_type", "int_type") or not isinstance(value, str):
+        return ""
+    if not re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):  # not exponent notation: a quoted value
+        return ""
+    number = float(value)
+    if not math.isfinite(number):
+        return "; YAML reads it as text, and it is beyond a float's range"
+    return f"; YAML reads {value} as text: write it with a dot and a signed exponent ({number:.1e})"
 
 
 def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -> WorkflowSpec:

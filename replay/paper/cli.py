@@ -58,15 +58,19 @@ def _wanted(figures: list[str]) -> list[str]:
 def cmd_paper(args: argparse.Namespace) -> int:
     """Build each figure asked for; print its table. Exit 3 when a figure asked for by name could not be
     built (the reason is printed), 0 otherwise."""
+    from ..run import check_out_folder
     from .figures import FIGURES, MISSING
     from .session import FigureUnavailable, Session, paper_systems
 
     wanted = _wanted(args.figures)
-    systems = (
-        tuple(s.strip() for s in args.systems.split(",") if s.strip()) if args.systems else paper_systems()
-    )
+    systems = paper_systems()
+    if args.systems is not None:
+        systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+        if not systems or len(set(systems)) < len(systems):
+            raise ValueError(f"--systems must name each system once, comma-separated; got {args.systems!r}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    check_out_folder(args.out)
     session = Session(
         args.out, args.quick, systems, progress=not args.no_progress, reuse=args.reuse, repeats=args.repeats
     )

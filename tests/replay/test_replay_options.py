@@ -51,3 +51,28 @@ def test_a_comparison_refuses_options_before_its_first_run(tmp_path) -> None:
     with pytest.raises(ValueError, match="stream-only: rz: switches of the IO daemon"):
         run_comparison(["streambox", "stream-only"], out=tmp_path, system_options={"rz": "off"})
     assert not any(tmp_path.iterdir())
+
+
+def test_a_replay_refuses_a_bad_window_workflow_or_folder_before_writing_anything(tmp_path) -> None:
+    """Minutes past the trace's end (which used to pad with zeros until memory ran out), an unknown
+    workflow, a folder that is a file, a system named twice: one clear error, nothing written."""
+    from streambox.replay.run import run_comparison
+
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"run past the end of azure2019-sample, which has 1440 minutes"):
+        run_replay(minutes=100_000_000, out=out)
+    with pytest.raises(ValueError, match=r"trace minutes \[1440, 1450\)"):
+        run_replay(start_minute=1440, out=out)
+    with pytest.raises(ValueError, match="workflow 'nosuch' is neither a shipped example"):
+        run_replay(workflow="nosuch", minutes=1, out=out)
+    with pytest.raises(ValueError, match="workflow 'nosuch' is neither a shipped example"):
+        run_comparison(["streambox", "stream-only"], workflow="nosuch", minutes=1, out=out)
+    with pytest.raises(ValueError, match="a system is named twice"):
+        run_comparison(["streambox", "streambox"], minutes=1, out=out)
+    assert not out.exists()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError, match="--out .*afile is a file, not a folder"):
+        run_replay(minutes=1, out=afile)
+    with pytest.raises(ValueError, match="--out .*afile is a file, not a folder"):
+        run_comparison(["streambox", "stream-only"], minutes=1, out=afile)
