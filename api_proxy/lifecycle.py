@@ -11,6 +11,7 @@ reclaimed: buffers, leases, waits, its stream and its channel.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,9 @@ from .state import Instance, Invocation, ProxyStats
 
 if TYPE_CHECKING:
     from .proxy import ProxyServer
+
+
+log = logging.getLogger(__name__)
 
 
 def _now() -> float:
@@ -217,9 +221,11 @@ class Lifecycle:
         if inst.state == "dead":
             return
         self.stats.instances_died += inst.state != "stopping"
+        # Its uploads may still be copying into its buffers: those must end before the buffers go.
+        uploads_over = self._end_uploads(inst)
         for inv in (inst.invocation, inst.first):
             if inv is not None:
-                self.resources.end_invocation(inv, inst, None)
+                self.resources.end_invocation(inv, inst, None, free_buffers=uploads_over)
                 who = f"instance {inst.id} of function {inst.spec.name!r}"
                 why = error(f"{who} {reason} during request {inv.request_id!r}")
                 fields = {"error_type": error.__name__, "message": str(why), "instance": inst.id}
@@ -234,10 +240,7 @@ class Lifecycle:
         inst.state = "dead"
         inst.invocation = inst.first = None
         inst.held = None
-        for gate in inst.gates:
-            with contextlib.suppress(Exception):
-                gate.wait_all(inst.stream, timeout=self.STOP_GRACE_S)
-        inst.gates.clear()
+        self._end_uploads(inst)
         self._stop_issue(inst)
         self.calls.drop(inst)
         with contextlib.suppress(Exception):
@@ -253,6 +256,31 @@ class Lifecycle:
         for start in self.scheduler.removed(inst.spec.name, inst.id, _now()):
             if not self.server._stop:
                 self._start_instance(start)
+
+    def _end_uploads(self, inst: Instance) -> bool:
+        """A departing instance's uploads: those fully issued are waited on by its stream (so frees
+        on it come after them); the rest are cancelled and their blocks already in flight waited
+        for, at most `STOP_GRACE_S`. False when some could still write into its buffers then: the
+        caller keeps those buffers rather than free memory a copy will write (a use after free that
+        used to fail an unrelated request)."""
+        gates, inst.gates = inst.gates, []
+        pending = []
+        for gate in gates:
+            if gate.issued and gate.error is None:
+                gate.wait_all(inst.stream)  # all its blocks are on the device's queues: no wait here
+            else:
+                pending.append(gate)
+        if not pending:
+            return True
+        self.resources.io.cancel(inst.key)  # queued blocks are dropped; those in flight finish
+        deadline = _now() + self.STOP_GRACE_S
+        while not all(gate.settled for gate in pending):
+            if _now() >= deadline:
+                log.error("instance %s: uploads still in flight after %.1f s; its buffers are kept",
+                          inst.id, self.STOP_GRACE_S)
+                return False
+            time.sleep(1e-3)
+        return True
 
     def _stop_issue(self, inst: Instance) -> None:
         """A plan of the instance still being issued off the dispatcher stops at its next slice (the

@@ -288,14 +288,19 @@ class Resources:
             self.buffers.add(h.address, h.nbytes, t, inv.holder, external=True)
         return self.handle(t)
 
-    def end_invocation(self, inv: Invocation, inst: Instance, event: Event | None) -> None:
+    def end_invocation(
+        self, inv: Invocation, inst: Instance, event: Event | None, *, free_buffers: bool = True
+    ) -> None:
         """The request is over: free the buffers it made (not PUT) and hand back the store's leases,
-        both after the work issued on the instance's stream so far."""
+        both after the work issued on the instance's stream so far. `free_buffers=False`: a copy may
+        still write into them (a dead instance's upload that would not settle): they are kept."""
         if event is None:
             event = self.record(inst.stream)
-        freed = [self.release(a, inv.holder, event, fence=False) for a in self.buffers.held_by(inv.holder)]
-        if any(freed):
-            self.memory.pool.fence(self.service)
+        if free_buffers:
+            held = self.buffers.held_by(inv.holder)
+            freed = [self.release(a, inv.holder, event, fence=False) for a in held]
+            if any(freed):
+                self.memory.pool.fence(self.service)
         for lease in inv.leases:
             with contextlib.suppress(Exception):
                 lease.release(inst.stream)

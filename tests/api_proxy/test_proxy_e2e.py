@@ -121,6 +121,12 @@ HANDLERS = textwrap.dedent(
         return {"x": object()}
 
     @streambox.function
+    def upload_hang(ctx, event):
+        for _ in range(event["n"]):  # the IO daemon copies these while the handler sleeps
+            ctx.upload(torch.ones(event["mib"] << 18))
+        time.sleep(60)
+
+    @streambox.function
     def odd_output(ctx, event):
         kind = event["kind"]
         if kind == "intkey":
@@ -146,6 +152,7 @@ FUNCTIONS = (
     ProxyFunction("foreign", "proxy_test_handlers:foreign"),
     ProxyFunction("not_json", "proxy_test_handlers:not_json"),
     ProxyFunction("odd_output", "proxy_test_handlers:odd_output"),
+    ProxyFunction("upload_hang", "proxy_test_handlers:upload_hang", timeout_ms=300.0),
     ProxyFunction("reput", "proxy_test_handlers:reput", models=("resnet18",)),
 )
 
@@ -291,6 +298,20 @@ def test_an_output_is_json_s_or_fails_its_own_request(a):
             client.invoke("odd_output", {"kind": kind}, request_id=f"r-{kind}")
     after = client.invoke("odd_output", {"kind": "intkey"}, request_id="r-after")["output"]
     assert after["pid"] == first["pid"]  # the same instance: none of these outputs took it down
+
+
+def test_a_killed_instance_s_uploads_end_before_its_buffers_are_freed(a, settled):
+    """An instance killed while the IO daemon still copies its uploads: its queued blocks are dropped
+    and its buffers freed only after the blocks in flight landed (they used to be freed at once, and
+    the daemon's copies then wrote into freed memory: a use after free another request could see)."""
+    client = a.client
+    before = client.stats()["io"]
+    for i in range(3):
+        with pytest.raises(FunctionTimeout):
+            client.invoke("upload_hang", {"n": 8, "mib": 16}, request_id=f"r-up{i}")
+        assert client.invoke("noop", {}, request_id=f"r-up-after{i}")["output"]["request"] == f"r-up-after{i}"
+    stats = settled(client, lambda s: s["buffers"] == 0 and s["retiring_streams"] == 0)
+    assert stats["io"]["failed_blocks"] == before["failed_blocks"]  # no copy met freed memory
 
 
 def test_a_reply_with_integer_keys_decodes() -> None:
