@@ -148,6 +148,13 @@ class Lifecycle:
             return
         inst.state = "finishing"
         inv.result_at = _now()
+        # Uploads the handler never used are still the daemon's to copy: the stream waits for them
+        # before the tail that frees their buffers is recorded.
+        self.resources.after_uploads_issued(inst, lambda: self._finish_result(inst, inv, result))
+
+    def _finish_result(self, inst: Instance, inv: Invocation, result: protocol.Result) -> None:
+        if inst.invocation is not inv:
+            return  # the instance died while its uploads were being issued; the request failed then
         end = self.resources.record(inst.stream)
 
         def finished(error: BaseException | None) -> None:

@@ -176,6 +176,34 @@ class Resources:
         return _Held(self, plan.model)
 
     # -- uploads ---------------------------------------------------------------------------------
+    def after_uploads_issued(self, inst: Instance, then: Callable[[], None]) -> bool:
+        """An instance's uploads no call has waited for (its handler returned without using them):
+        once the daemon has issued them, its stream waits for them and `then()` runs on the dispatcher
+        (posted, or at once: returns whether it ran now). So the buffers they fill are freed after
+        the copies, not while the daemon still writes into them."""
+        pending = [t for t in inst.gates if not t.issued and t.error is None]
+        if not pending:
+            self._gates_to_stream(inst)
+            then()
+            return True
+
+        def issued(_: Any) -> None:
+            def go() -> None:
+                self._gates_to_stream(inst)
+                then()
+
+            self._post(go)
+
+        self._wait_pool.submit(self._wait_issued, pending).add_done_callback(issued)
+        return False
+
+    @staticmethod
+    def _gates_to_stream(inst: Instance) -> None:
+        gates, inst.gates = inst.gates, []
+        for ticket in gates:
+            with contextlib.suppress(Exception):  # a failed upload: the call that used it saw the error
+                ticket.wait_all(inst.stream, timeout=0.0)
+
     def _wait_issued(self, tickets: list[Any]) -> None:
         """On a helper thread: until the daemon has issued every block of `tickets` (or failed them:
         the call that goes on meets the error)."""

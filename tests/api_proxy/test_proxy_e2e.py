@@ -124,7 +124,9 @@ HANDLERS = textwrap.dedent(
     def upload_hang(ctx, event):
         for _ in range(event["n"]):  # the IO daemon copies these while the handler sleeps
             ctx.upload(torch.ones(event["mib"] << 18))
-        time.sleep(60)
+        if event.get("hang", True):
+            time.sleep(60)
+        return {"uploaded": event["n"]}
 
     @streambox.function
     def odd_output(ctx, event):
@@ -153,6 +155,7 @@ FUNCTIONS = (
     ProxyFunction("not_json", "proxy_test_handlers:not_json"),
     ProxyFunction("odd_output", "proxy_test_handlers:odd_output"),
     ProxyFunction("upload_hang", "proxy_test_handlers:upload_hang", timeout_ms=300.0),
+    ProxyFunction("upload_return", "proxy_test_handlers:upload_hang"),
     ProxyFunction("reput", "proxy_test_handlers:reput", models=("resnet18",)),
 )
 
@@ -312,6 +315,17 @@ def test_a_killed_instance_s_uploads_end_before_its_buffers_are_freed(a, settled
         assert client.invoke("noop", {}, request_id=f"r-up-after{i}")["output"]["request"] == f"r-up-after{i}"
     stats = settled(client, lambda s: s["buffers"] == 0 and s["retiring_streams"] == 0)
     assert stats["io"]["failed_blocks"] == before["failed_blocks"]  # no copy met freed memory
+
+
+def test_uploads_a_handler_never_used_land_before_its_buffers_are_freed(a, settled):
+    """A handler that uploads and returns at once: its buffers are freed after the daemon's copies."""
+    client = a.client
+    before = client.stats()["io"]
+    for i in range(3):
+        out = client.invoke("upload_return", {"n": 8, "mib": 16, "hang": False}, request_id=f"r-ret{i}")
+        assert out["output"] == {"uploaded": 8}
+    stats = settled(client, lambda s: s["buffers"] == 0)
+    assert stats["io"]["failed_blocks"] == before["failed_blocks"]
 
 
 def test_a_reply_with_integer_keys_decodes() -> None:
