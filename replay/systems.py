@@ -42,6 +42,7 @@ config.json's `system_config` holds the resolved `settings` of the run.
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import sys
 import tempfile
@@ -307,7 +308,10 @@ def _proxy_options(system: str, options: Mapping[str, str]) -> dict[str, Any]:
         own = build(ProxyStartup, "proxy option", **startup).model_dump(exclude_unset=True)
         return {**ablation_options(given), **own}
     except ValueError as error:
-        raise ValueError(f"{system}: {error}") from None
+        named = set(re.findall(r"\w+", str(error)))
+        others = [k for k in (*ProxyStartup.model_fields, *COMMON_OPTIONS, *DEVICE_FIELDS) if k not in named]
+        also = f"; the replay's --set also takes {', '.join(others)}" if "unknown" in named else ""
+        raise ValueError(f"{system}: {error}{also}") from None
 
 
 def _proxy_settings(system: str) -> Callable[[WorkflowOptions, dict[str, str]], dict[str, Any]]:

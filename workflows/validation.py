@@ -126,6 +126,11 @@ class _Document:
                     self.issue(loc, "a key must be a plain value, not a list or mapping", key_node.start_mark)
                     continue
                 key = self._constructor.construct_object(key_node)
+                if not isinstance(key, str):  # YAML reads 1, true, null as such: 1 and true collide
+                    text = key_node.value
+                    message = f"a key must be text, not {type(key).__name__} {key!r}: quote it ('{text}')"
+                    self.issue((*loc, text), message, key_node.start_mark)
+                    continue
                 if key in out:
                     self.issue((*loc, key), "duplicate key", key_node.start_mark)
                     continue
@@ -298,7 +303,8 @@ def parse_spec(
         raise WorkflowValidationError(doc.issues) from None
     if not isinstance(data, dict):
         keys = ", ".join(_keys_of(WorkflowSpec))
-        doc.issue((), f"a workflow is a YAML mapping with the keys {keys}; found {type(data).__name__}")
+        found = "an empty file" if data is None else f"a {type(data).__name__}"
+        doc.issue((), f"a workflow is a YAML mapping with the keys {keys}; found {found}")
     if doc.issues:
         raise WorkflowValidationError(doc.issues)
     try:

@@ -63,7 +63,7 @@ def test_every_system_prewarms_one_instance_per_function_at_deploy_unless_told(s
     ("system", "options", "message"),
     [
         ("streambox", {"pa": "maybe"}, "streambox: proxy option: pa 'maybe' is not on or off"),
-        ("streambox", {"fm": "off"}, "unknown proxy option 'fm'"),
+        ("streambox", {"fm": "off"}, "unknown proxy option 'fm'.*--set also takes prewarm, .*variants"),
         ("stream-only", {"bt": "off"}, "bt: switches of the IO daemon, which is off here"),
         ("infless", {"pool_mode": "fm"}, r"infless: unknown options \['pool_mode'\]"),
         ("infless", {"prewarm": "-1"}, "prewarm '-1' must be >= 0"),

@@ -278,3 +278,14 @@ def test_the_bundled_graphs():
     assert social.runs_many() == {"text": False, "vision": False, "aggregate": False}
     image = load_example("image-processing").graph()
     assert image.topological_order() == ["recognize", "enhance"]
+
+
+def test_keys_yaml_reads_as_numbers_or_flags_are_refused_where_they_are():
+    text = (
+        "name: demo\nslo_ms: 100\nfunctions:\n"
+        "  1: {handler: wf_test_handlers:echo}\n  true: {handler: wf_test_handlers:echo}\n"
+    )
+    found = errors(text)
+    assert "demo.yaml:4:3: functions.1: a key must be text, not int 1: quote it ('1')" in found
+    assert "demo.yaml:5:3: functions.true: a key must be text, not bool True: quote it ('true')" in found
+    assert not any("duplicate" in e for e in found)  # 1 == True in Python: not a duplicate here
