@@ -73,7 +73,7 @@ def missing_attribute(module_name: str, attr: str, functions: list[str]) -> Hand
 def check_handler(ref: str, handler: Any) -> Handler:
     """`handler` if it is callable with `(ctx, event)`, else `HandlerError`."""
     if not callable(handler):
-        raise HandlerError(f"{ref!r} is a {type(handler).__name__}, not a function")
+        raise HandlerError(f"{ref!r} is not a function but a value of type {type(handler).__name__}")
     try:
         inspect.signature(handler).bind(None, {})
     except TypeError:

@@ -187,7 +187,8 @@ def test_handlers_must_import_and_take_ctx_and_event():
         "its functions: classify, consume, echo,"
     )
     assert (
-        lines[2] == "demo.yaml:6:7: functions.c.handler: 'wf_test_handlers:peaks' is a dict, not a function"
+        lines[2] == "demo.yaml:6:7: functions.c.handler: 'wf_test_handlers:peaks' is not a function but "
+        "a value of type dict"
     )
 
 
@@ -208,11 +209,11 @@ def test_yaml_mistakes_duplicate_keys_and_non_mappings():
     ) == ["demo.yaml:3:1: slo_ms: duplicate key"]
     assert errors("- a\n- b\n") == [
         "demo.yaml:1:1: a workflow is a YAML mapping with the keys name, description, slo_ms, timeout_ms, "
-        "output, functions, edges; found list"
+        "output, functions, edges; found a list"
     ]
     assert errors("") == [
         "demo.yaml: a workflow is a YAML mapping with the keys name, description, slo_ms, timeout_ms, "
-        "output, functions, edges; found NoneType"
+        "output, functions, edges; found an empty file"
     ]
 
 
