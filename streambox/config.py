@@ -63,8 +63,14 @@ STORE_SWITCHES = ("pa", "am")
 IO_SWITCHES = ("rz", "pb", "bt")
 
 
+MODEL_POOL_ENV = "STREAMBOX_MODEL_POOL"
+
+
 def default_model_pool() -> Path:
-    return Path.home() / ".cache" / "streambox" / "model_pool"
+    """Where plans and registered models live: `$STREAMBOX_MODEL_POOL`, else a folder in the user's cache
+    (every command and benchmark takes it from here, so that they all see the same pool)."""
+    env = os.environ.get(MODEL_POOL_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "streambox" / "model_pool"
 
 
 class DeviceFields(SettingsModel):

@@ -103,3 +103,10 @@ def test_paper_refuses_an_empty_or_repeated_system_list_and_a_file_for_a_folder(
         assert main(["paper", "12", "--quick", *args]) == 2
         assert "Traceback" not in capsys.readouterr().err
     assert afile.read_text() == ""
+
+
+def test_models_commands_use_the_configured_model_pool(tmp_path, monkeypatch, capsys):
+    """`STREAMBOX_MODEL_POOL` is the pool of every command (`models` used to read ~/.cache instead)."""
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path / "pool"))
+    assert main(["models", "list"]) == 0
+    assert str(tmp_path / "pool") in capsys.readouterr().out

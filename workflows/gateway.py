@@ -21,6 +21,7 @@ parser's recursion); with a `token`, every route but ``/healthz`` wants ``Author
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -105,8 +106,10 @@ class Gateway:
         spec = self.engine.specs.get(name)
         if spec is None:
             return _error(404, f"unknown workflow {name!r}", workflows=sorted(self.engine.specs))
+        body = await request.read()
         try:  # a JSON event, a JPEG/PNG body or a multipart upload (workflows/image_input.py)
-            event = event_from_body(request.headers.get("Content-Type", ""), await request.read())
+            # Parsed and decoded off the event loop: a large body must not stall other requests.
+            event = await asyncio.to_thread(event_from_body, request.headers.get("Content-Type", ""), body)
         except BodyError as error:
             return _error(400, str(error))
         timeout_s = spec.timeout_ms / 1e3

@@ -20,6 +20,7 @@ import email.parser
 import email.policy
 import io
 import json
+import math
 from typing import Any
 
 IMAGE_CONTENT_TYPES = ("image/jpeg", "image/png")
@@ -86,6 +87,9 @@ def decode_image_field(value: object, field: str = "image"):  # -> torch.Tensor
 
 
 MAX_JSON_DEPTH = 64  # nesting of an event's objects and lists
+#: Objects and lists in one event at most: each costs the parser ~50 bytes for 2 of the body, so a body
+#: of empty lists would take ~25x its size (counted before parsing; brackets in strings count too).
+MAX_JSON_CONTAINERS = 1_000_000
 
 
 def json_depth(value: Any) -> int:
@@ -101,13 +105,30 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is beyond a float's range")
+    return value
+
+
 def load_event_json(data: bytes, what: str) -> dict[str, Any]:
     """A JSON object nested at most `MAX_JSON_DEPTH` deep (deeper is refused before it can exhaust
     the parser's recursion); `BodyError` naming `what` otherwise."""
     too_deep = f"{what} nests objects or lists more than {MAX_JSON_DEPTH} levels deep"
+    containers = data.count(b"[") + data.count(b"{")
+    if containers > MAX_JSON_CONTAINERS:
+        raise BodyError(
+            f"{what} holds about {containers} objects or lists, more than {MAX_JSON_CONTAINERS}: send large "
+            "arrays as an image or a base64 .npy"
+        )
     try:
-        event = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        event = json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError, and the number limits below
         raise BodyError(
             f"{what} is not JSON: {error} (send a JSON event, an image/jpeg or image/png body, "
             "or multipart/form-data)"

@@ -66,6 +66,17 @@ def test_request_bodies_become_events():
         event_from_body("text/plain", b"hello")
     with pytest.raises(BodyError, match="must be a JSON object"):
         event_from_body("application/json", b"[1]")
+    # numbers JSON has no place for, or Python's parser refuses: a 400, not a 500
+    refused = (
+        (b'{"a": NaN}', "NaN is not a JSON number"),
+        (b'{"a": 1e999}', "beyond a float's range"),
+        (b'{"a": ' + b"1" * 5000 + b"}", "4300 digits"),
+    )
+    for body, why in refused:
+        with pytest.raises(BodyError, match=why):
+            event_from_body("application/json", body)
+    with pytest.raises(BodyError, match="more than 1000000"):  # parsed, it would take ~25x its size
+        event_from_body("application/json", b'{"a": [' + b"[]," * 1_000_001 + b"[]]}")
 
     form = aiohttp.FormData()
     form.add_field("event", json.dumps({"return_image": True, "note": "x"}))
