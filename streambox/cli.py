@@ -72,6 +72,30 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    """A TCP port for argparse: 1-65535 (0 would pick a random one nobody is told)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is not in 1-65535")
+    return port
+
+
+def _token(path: str | None) -> str | None:
+    """The bearer token in `path` (None: no token), or a clear error naming the file."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise ValueError(f"--token-file {path}: {error.strerror or error}") from None
+    if not token:
+        raise ValueError(f"--token-file {path} is empty")
+    return token
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     """Check workflow YAML files; every mistake is reported with file, line and field."""
     from streambox.workflows.commands import resolve_workflow_path
@@ -121,7 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             on_ready=lambda url: print(f"serving on {url} (Ctrl-C stops)", flush=True),
             small=inputs == "small",
             allow_remote=args.allow_remote,
-            token=Path(args.token_file).read_text().strip() if args.token_file else None,
+            token=_token(args.token_file),
         )
     return 0
 
@@ -145,7 +169,7 @@ def cmd_invoke(args: argparse.Namespace) -> int:
 
         event = {**event, "image": image_field(Path(args.image).read_bytes())}
     try:
-        token = Path(args.token_file).read_text().strip() if args.token_file else None
+        token = _token(args.token_file)
         response = invoke(args.name, event, url=args.url, timeout_s=args.timeout, token=token)
     except GatewayUnreachable as error:
         print(f"streambox invoke: error: {error}", file=sys.stderr)
@@ -192,7 +216,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
         "(the baseline: a process and a runtime per function instance, data through Redis)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=_port, default=8080)
     p.add_argument(
         "--allow-remote", action="store_true", help="let --host be non-loopback (warns; use a token)"
     )

@@ -110,3 +110,11 @@ def test_models_commands_use_the_configured_model_pool(tmp_path, monkeypatch, ca
     monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path / "pool"))
     assert main(["models", "list"]) == 0
     assert str(tmp_path / "pool") in capsys.readouterr().out
+
+
+def test_serve_refuses_a_bad_port_or_token_file_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "shapes", "--port", "99999"])
+    assert "port 99999 is not in 1-65535" in capsys.readouterr().err
+    assert main(["serve", "shapes", "--token-file", str(tmp_path / "missing")]) == 2
+    assert "--token-file" in capsys.readouterr().err

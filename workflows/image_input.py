@@ -52,6 +52,7 @@ def decode_image_bytes(data: bytes):  # -> torch.Tensor (torch imported here, no
 
     fmt = image_format(data)
     if fmt in ("jpeg", "png"):
+        _check_pixels(data, fmt)
         try:
             pixels = decode_image(
                 torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB
@@ -72,13 +73,37 @@ def decode_image_bytes(data: bytes):  # -> torch.Tensor (torch imported here, no
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
 
 
+#: The most pixels an image may have: a few MB of JPEG or PNG can declare gigapixels, which decode to
+#: 3 bytes and then 12 (float) per pixel; 50 MP (e.g. 8660 x 5773) is 600 MB as floats.
+MAX_IMAGE_PIXELS = 50_000_000
+
+
+def _check_pixels(data: bytes, fmt: str) -> None:
+    """Refuse an image whose header declares more than `MAX_IMAGE_PIXELS`, before decoding it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:  # reads the header only
+            width, height = image.size
+    except UnidentifiedImageError:
+        raise ValueError(f"a corrupt {fmt.upper()} image: its header cannot be read") from None
+    except (OSError, SyntaxError) as error:
+        raise ValueError(f"a corrupt {fmt.upper()} image: {error}") from None
+    except Image.DecompressionBombError:  # Pillow's own bound, far above ours
+        raise ValueError(f"a {fmt.upper()} image of more than {MAX_IMAGE_PIXELS} pixels") from None
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(
+            f"a {fmt.upper()} image of {width} x {height} pixels, more than {MAX_IMAGE_PIXELS}: scale it down"
+        )
+
+
 def decode_image_field(value: object, field: str = "image"):  # -> torch.Tensor
     """The event's ``field`` (base64 text of image bytes) as a float tensor ``[3, H, W]`` in [0, 1]."""
     if not isinstance(value, str):
         raise ValueError(f"{field!r} must be {_FORMATS}, got {type(value).__name__}")
     try:
         data = base64.b64decode(value, validate=True)
-    except binascii.Error as error:
+    except (binascii.Error, ValueError) as error:  # ValueError: text beyond ASCII
         raise ValueError(f"{field!r} is not base64 text: {error}") from None
     try:
         return decode_image_bytes(data)

@@ -56,6 +56,22 @@ def test_bad_images_say_what_is_accepted():
         decode_image_field(base64.b64encode(_png(_image())[:40]).decode())
 
 
+def test_an_image_is_refused_by_its_header_before_it_is_decoded():
+    """A few hundred KB of PNG can declare gigapixels: refused from the header, not decoded."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (10_000, 6_000)).save(buffer, format="PNG")
+    with pytest.raises(ValueError, match="10000 x 6000 pixels, more than 50000000"):
+        decode_image_field(base64.b64encode(buffer.getvalue()).decode())
+    with pytest.raises(ValueError, match="'image': a corrupt PNG image: its header cannot be read"):
+        decode_image_field(base64.b64encode(b"\x89PNG\r\n\x1a\n").decode())
+    with pytest.raises(ValueError, match="'image' is not base64 text"):
+        decode_image_field("\N{GRINNING FACE}")
+
+
 def test_request_bodies_become_events():
     png = _png(_image())
     assert event_from_body("image/png", png) == {"image": base64.b64encode(png).decode()}
