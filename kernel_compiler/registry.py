@@ -374,7 +374,14 @@ def register(
             batches=reports,
         )
         (tmp / MANIFEST).write_text(record.to_json())
-        os.rename(tmp, root / ref)  # fails if a concurrent registration took this version first
+        try:
+            os.rename(tmp, root / ref)  # fails if a concurrent registration took this version first
+        except OSError as error:
+            if not (root / ref).exists():
+                raise
+            raise ValueError(
+                f"{ref} was registered by another command meanwhile; add {base!r} again for the next version"
+            ) from error
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return record

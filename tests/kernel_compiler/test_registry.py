@@ -167,3 +167,21 @@ def test_bad_names_and_sources_are_refused(tmp_path, factory_module):
         registry.register(root, "net", factory="no_such_module_here:build")
     with pytest.raises(registry.ModelRegistrationError, match="missing.pt2: no such file"):
         registry.register(root, "net", pt2=tmp_path / "missing.pt2")
+
+
+def test_a_registration_that_loses_the_race_for_its_version_says_so(tmp_path, factory_module, monkeypatch):
+    """Two `models add` of one name at once: the second to finish gets a clear error, not an OSError,
+    and leaves nothing behind."""
+    root = tmp_path / "pool"
+    lower = registry._lower_batches
+
+    def lower_then_lose(tmp, ref, *args):  # another registration takes `ref` while this one lowers
+        result = lower(tmp, ref, *args)
+        (root / ref).mkdir(parents=True)
+        (root / ref / "manifest.json").write_text("{}")
+        return result
+
+    monkeypatch.setattr(registry, "_lower_batches", lower_then_lose)
+    with pytest.raises(ValueError, match="net@1 was registered by another command meanwhile"):
+        registry.register(root, "net", factory=f"{factory_module.__name__}:build", batches=[1])
+    assert sorted(p.name for p in root.iterdir()) == ["net@1"]  # no temporary folder left
