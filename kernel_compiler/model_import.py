@@ -54,7 +54,10 @@ def call_factory(factory: str) -> tuple[nn.Module, tuple[int, ...] | None]:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as error:
         raise ModelRegistrationError(factory, f"cannot import the factory: {error}") from None
-    built = fn()
+    try:
+        built = fn()
+    except (Exception, SystemExit) as error:  # the user's code: its failure is a registration error
+        raise ModelRegistrationError(factory, f"the factory failed: {first_line(error)}") from None
     shape = None
     if isinstance(built, tuple) and len(built) == 2:
         built, shape = built
@@ -68,12 +71,16 @@ def call_factory(factory: str) -> tuple[nn.Module, tuple[int, ...] | None]:
 
 
 def load_weights(module: nn.Module, weights: Path) -> None:
-    if weights.suffix == ".safetensors":
-        state = load_file(str(weights))
-    else:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]
+    try:
+        if weights.suffix == ".safetensors":
+            state = load_file(str(weights))
+        else:
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any reader's failure means the same: not weights
+        why = f"cannot be read as weights: {first_line(error)}"
+        raise ModelRegistrationError(str(weights), why) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
     if not isinstance(state, dict):
         raise ModelRegistrationError(str(weights), f"holds a {type(state).__name__}, not a state dict")
     try:

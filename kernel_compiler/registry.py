@@ -226,6 +226,14 @@ class _Source:
     static_batch: int | None = None  # the only batch a .pt2 exported with a static batch serves
 
 
+#: Batch sizes a registration lowers at most (a function batches up to 64: api_proxy.function_spec).
+MAX_BATCH = 1024
+#: Input dtypes a registered model may take (its example inputs are drawn in them).
+INPUT_DTYPES = (
+    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+)  # fmt: skip
+
+
 def _checked_batches(
     base: str, version: int | None, pt2: object, factory: object, weights: object, batches: Sequence[int]
 ) -> list[int]:
@@ -239,8 +247,8 @@ def _checked_batches(
     if weights is not None and factory is None:
         raise ValueError("weights go with a factory; a .pt2 file carries its own")
     checked = sorted({int(b) for b in batches})
-    if not checked or checked[0] < 1:
-        raise ValueError(f"batch sizes must be positive integers, got {list(checked)}")
+    if not checked or checked[0] < 1 or checked[-1] > MAX_BATCH:
+        raise ValueError(f"batch sizes must be integers from 1 to {MAX_BATCH}, got {list(checked)}")
     return checked
 
 
@@ -294,6 +302,9 @@ def _from_factory(
             "no input shape: pass one, or have the factory return (module, shape) or set "
             "module.example_input_shape",
         )
+    if input_dtype not in INPUT_DTYPES:
+        allowed = ", ".join(INPUT_DTYPES)
+        raise ModelRegistrationError(file, f"input dtype {input_dtype!r} is not one of {allowed}")
     return _Source(file, eager, shape, dtype_from_name(input_dtype), weights=resolved)
 
 

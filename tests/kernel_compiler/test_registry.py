@@ -42,6 +42,12 @@ FACTORY = textwrap.dedent(
     class Itemy(nn.Module):
         def forward(self, x):
             return x * x.max().item()
+
+    def broken():
+        raise KeyError("boom")
+
+    def quits():
+        raise SystemExit(3)
     """
 )
 
@@ -185,3 +191,23 @@ def test_a_registration_that_loses_the_race_for_its_version_says_so(tmp_path, fa
     with pytest.raises(ValueError, match="net@1 was registered by another command meanwhile"):
         registry.register(root, "net", factory=f"{factory_module.__name__}:build", batches=[1])
     assert sorted(p.name for p in root.iterdir()) == ["net@1"]  # no temporary folder left
+
+
+def test_a_user_s_mistakes_in_registration_are_one_clear_error(tmp_path, factory_module):
+    """A factory that raises or exits, weights that are not weights, an input dtype or batch size
+    nobody can serve: a `ValueError` naming the source and what went wrong, nothing left behind."""
+    root = tmp_path / "pool"
+    name = factory_module.__name__
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not weights")
+    cases = [
+        (dict(factory=f"{name}:broken"), r"the factory failed: KeyError: 'boom'"),
+        (dict(factory=f"{name}:quits"), r"the factory failed: SystemExit: 3"),
+        (dict(factory=f"{name}:build", weights=junk), r"junk.safetensors.*cannot be read as weights"),
+        (dict(factory=f"{name}:build", input_dtype="complex64"), r"input dtype 'complex64' is not one of"),
+        (dict(factory=f"{name}:build", batches=[10**15]), r"batch sizes must be integers from 1 to 1024"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            registry.register(root, "net", **kwargs)
+    assert not root.exists() or not any(root.iterdir())
