@@ -43,6 +43,8 @@ from .errors import IsolationError, ProxyError, decode_error, encode_error
 from .proxy_config import ProxyConfig
 from .shm_ring import private_dir
 
+log = logging.getLogger(__name__)
+
 START_ERROR_FILE = "start_error.txt"
 LIVENESS_S = 0.05  # how often a waiting blocking client checks that its proxy process still runs
 LAUNCH_PROXY = (
@@ -52,7 +54,6 @@ LAUNCH_PROXY = (
 
 
 KEY_BYTES = 32
-log = logging.getLogger(__name__)
 KEY_FD_ENV = "STREAMBOX_CONTROL_KEY_FD"  # the number of the pipe the proxy reads its key from
 
 

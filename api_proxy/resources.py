@@ -176,16 +176,16 @@ class Resources:
         return _Held(self, plan.model)
 
     # -- uploads ---------------------------------------------------------------------------------
-    def after_uploads_issued(self, inst: Instance, then: Callable[[], None]) -> bool:
+    def after_uploads_issued(self, inst: Instance, then: Callable[[], None]) -> None:
         """An instance's uploads no call has waited for (its handler returned without using them):
         once the daemon has issued them, its stream waits for them and `then()` runs on the dispatcher
-        (posted, or at once: returns whether it ran now). So the buffers they fill are freed after
-        the copies, not while the daemon still writes into them."""
+        (at once, or posted). So the buffers they fill are freed after the copies, not while the
+        daemon still writes into them."""
         pending = [t for t in inst.gates if not t.issued and t.error is None]
         if not pending:
             self._gates_to_stream(inst)
             then()
-            return True
+            return
 
         def issued(_: Any) -> None:
             def go() -> None:
@@ -195,7 +195,6 @@ class Resources:
             self._post(go)
 
         self._wait_pool.submit(self._wait_issued, pending).add_done_callback(issued)
-        return False
 
     @staticmethod
     def _gates_to_stream(inst: Instance) -> None:

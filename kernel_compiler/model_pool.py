@@ -29,14 +29,14 @@ from .plan import PLAN_FILE, KernelPlan, StalePlan
 from .zoo import ZOO, ModelEntry, UnknownModelError
 
 PROFILE_FILE = "memory_profile.json"
+ENV_ROOT = "STREAMBOX_MODEL_POOL"
 
 LowerFn = Callable[[str, int, tuple[int, ...]], KernelPlan]
 
 
 def default_root() -> Path:
-    from streambox.config import default_model_pool  # one definition of the default for every caller
-
-    return default_model_pool()
+    env = os.environ.get(ENV_ROOT)
+    return Path(env) if env else Path.home() / ".cache" / "streambox" / "model_pool"
 
 
 def unknown_model(model: str, root: Path | None = None) -> str | None:

@@ -63,7 +63,7 @@ STORE_SWITCHES = ("pa", "am")
 IO_SWITCHES = ("rz", "pb", "bt")
 
 
-MODEL_POOL_ENV = "STREAMBOX_MODEL_POOL"
+MODEL_POOL_ENV = "STREAMBOX_MODEL_POOL"  # kernel_compiler.model_pool.default_root reads it too
 
 
 def default_model_pool() -> Path:
