@@ -22,7 +22,7 @@ from pathlib import Path
 from streambox.config import option_name
 from streambox.flags import DEVICE, MECHANISMS, RUN, add_setting_flags, flag_of, given_settings
 
-from .shaping import MAPPINGS, PATTERNS, SELECTIONS, SPACINGS
+from .choices import MAPPINGS, PATTERNS, SELECTIONS, SPACINGS
 from .target import PLANNED_SYSTEMS, known_systems
 
 

@@ -35,12 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from .choices import MAPPINGS, PATTERNS, SELECTIONS, SPACINGS
 from .traces import FunctionKey, FunctionSeries
 
-PATTERNS = ("sporadic", "periodic", "bursty")
-SELECTIONS = ("volume", "random", "stratified")
-MAPPINGS = ("round-robin", "stripe", "explicit")
-SPACINGS = ("poisson", "even", "trace")
 MAX_ARRIVALS_PER_MINUTE = 1_000_000  # per function and trace minute, after scaling
 
 
