@@ -8,15 +8,19 @@ Routes:
   keys. ``?timeout_ms=`` may shorten the workflow's ``timeout_ms`` (never lengthen it). Answers 200
   with the output and the per-function breakdown, 500 when a function failed, 504 on a timeout (both
   with the same body plus ``error`` and ``failed_call``), 404 for an unknown workflow, 400 for a body
-  that is not an event.
+  that is not an event, 503 past the admission limits (below).
 - ``GET /workflows``: the deployed workflows (SLO, functions, edges).
 - ``GET /healthz``: ``{"status": "ok", "workflows": [...]}``.
 - ``GET /metrics``: Prometheus text format (`metrics.py`).
 
 Safety: an event nested deeper than `MAX_JSON_DEPTH` is refused with 400 (not a 500 from the
-parser's recursion); with a `token`, every route but ``/healthz`` wants ``Authorization: Bearer
-<token>`` (401 otherwise); `GatewayServer` binds beyond the loopback interface only with
-`allow_remote=True`, and warns when it does (louder without a token).
+parser's recursion); at most `max_in_flight` invocations are admitted at once, holding at most
+`max_body_bytes_in_flight` bytes of bodies (a body counts at its Content-Length, or at
+`max_body_bytes` when it sends none), and one past either limit is answered 503 with ``Retry-After``
+before its body is read (Triton's full queue answers UNAVAILABLE the same way); with a `token`,
+every route but ``/healthz`` wants ``Authorization: Bearer <token>`` (401 otherwise);
+`GatewayServer` binds beyond the loopback interface only with `allow_remote=True`, and warns when
+it does (louder without a token).
 """
 
 from __future__ import annotations
@@ -34,16 +38,24 @@ from .engine import Engine
 from .image_input import MAX_JSON_DEPTH, BodyError, event_from_body, json_depth  # noqa: F401 - re-exported
 from .invoker import StatsSource
 from .metrics import GatewayMetrics
+from .spec import WorkflowSpec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+#: Invocations admitted at once (reading, parsing or running); more wait in the engine's queues anyway.
+DEFAULT_MAX_IN_FLIGHT = 1024
+#: Bodies held at once: four of the largest; a decoded event takes a few times its body.
+DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 4 * DEFAULT_MAX_BODY_BYTES
+RETRY_AFTER_S = 1  # what a refused caller is told to wait
 OPEN_ROUTES = frozenset({"/healthz"})  # answered without the bearer token
 _HTTP_STATUS = {"ok": 200, "error": 500, "timeout": 504}
 
 
-def _error(status: int, message: str, **extra: Any) -> web.Response:
-    return web.json_response({"error": message, **extra}, status=status)
+def _error(
+    status: int, message: str, headers: dict[str, str] | None = None, **extra: Any
+) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status, headers=headers)
 
 
 def is_loopback(host: str) -> bool:
@@ -65,15 +77,30 @@ class Gateway:
         *,
         stats: StatsSource | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
         token: str | None = None,
     ) -> None:
-        """`token`: when set, callers must send it as a bearer token (see the module docstring)."""
+        """`token`: when set, callers must send it as a bearer token; `max_in_flight` and
+        `max_body_bytes_in_flight`: the admission limits (see the module docstring)."""
         if token is not None and len(token) < 16:
             raise ValueError("a gateway token needs at least 16 characters")
+        for name, value in (
+            ("max_body_bytes", max_body_bytes),
+            ("max_in_flight", max_in_flight),
+            ("max_body_bytes_in_flight", max_body_bytes_in_flight),
+        ):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"gateway {name} must be a positive integer, got {value!r}")
         self.engine = engine
         self.metrics = GatewayMetrics(stats)
         self.max_body_bytes = max_body_bytes
+        self.max_in_flight = max_in_flight
+        self.max_body_bytes_in_flight = max_body_bytes_in_flight
         self.token = token
+        # Admitted invocations and the body bytes they reserved (the event loop's thread only).
+        self._admitted = 0
+        self._admitted_bytes = 0
 
     @web.middleware
     async def _authenticate(
@@ -106,6 +133,36 @@ class Gateway:
         spec = self.engine.specs.get(name)
         if spec is None:
             return _error(404, f"unknown workflow {name!r}", workflows=sorted(self.engine.specs))
+        declared = request.content_length
+        reserved = self.max_body_bytes if declared is None else min(declared, self.max_body_bytes)
+        refusal = self._refusal(reserved)
+        if refusal is not None:
+            self.metrics.refused.labels(name).inc()
+            return _error(503, refusal, headers={"Retry-After": str(RETRY_AFTER_S)})
+        self._admitted += 1
+        self._admitted_bytes += reserved
+        try:
+            return await self._invoke_admitted(request, name, spec)
+        finally:
+            self._admitted -= 1
+            self._admitted_bytes -= reserved
+
+    def _refusal(self, reserved: int) -> str | None:
+        """Why an invocation whose body reserves `reserved` bytes is not admitted now (None: it is)."""
+        if self._admitted >= self.max_in_flight:
+            return (
+                f"the gateway is at its limit of {self.max_in_flight} invocations in flight; "
+                f"retry in {RETRY_AFTER_S} s"
+            )
+        if self._admitted and self._admitted_bytes + reserved > self.max_body_bytes_in_flight:
+            return (
+                f"the gateway holds {self._admitted_bytes:,} bytes of request bodies, and this one "
+                f"({reserved:,} bytes) would pass its limit of {self.max_body_bytes_in_flight:,}; "
+                f"retry in {RETRY_AFTER_S} s"
+            )
+        return None
+
+    async def _invoke_admitted(self, request: web.Request, name: str, spec: WorkflowSpec) -> web.Response:
         body = await request.read()
         try:  # a JSON event, a JPEG/PNG body or a multipart upload (workflows/image_input.py)
             # Parsed and decoded off the event loop: a large body must not stall other requests.

@@ -6,6 +6,7 @@ Request side, updated once per request from its `RequestResult`:
 - ``streambox_request_latency_seconds{workflow}``: histogram of end-to-end latency;
 - ``streambox_slo_violations_total{workflow}``: requests that failed or ran past the SLO;
 - ``streambox_requests_in_flight{workflow}``;
+- ``streambox_requests_refused_total{workflow}``: answered 503 at the gateway's admission limits;
 - ``streambox_function_invocations_total{workflow,function,status}``;
 - ``streambox_function_latency_seconds{workflow,function}``: histogram, as the invoker measured it;
 - ``streambox_cold_starts_total{workflow,function}``.
@@ -112,6 +113,12 @@ class GatewayMetrics:
             "streambox_slo_violations", "Requests that failed or missed the SLO", ["workflow"], registry=r
         )
         self.in_flight = Gauge("streambox_requests_in_flight", "Requests running", ["workflow"], registry=r)
+        self.refused = Counter(
+            "streambox_requests_refused",
+            "Invocations answered 503 at the gateway's admission limits",
+            ["workflow"],
+            registry=r,
+        )
         self.invocations = Counter(
             "streambox_function_invocations",
             "Function invocations by status",

@@ -22,3 +22,8 @@ def gather(ctx: Any, event: dict[str, Any]) -> int:
 
 def echo(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
     return {"echo": event.get("value")}
+
+
+def nap(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
+    time.sleep(event.get("seconds", 0.0))
+    return {"echo": event.get("value")}

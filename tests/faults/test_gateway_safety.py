@@ -1,5 +1,6 @@
 """The gateway's safe defaults over real HTTP: deep JSON gets a clear 400 (not a 500), a bearer token
-guards every route but /healthz, and binding beyond loopback needs an explicit opt-in."""
+guards every route but /healthz, binding beyond loopback needs an explicit opt-in, and invocations past
+the admission limits (in flight, body bytes in flight) get a 503 with Retry-After."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from streambox.workflows.validation import parse_spec
 from .conftest import HERE
 
 ECHO = "name: echo\nslo_ms: 1000\nfunctions:\n  echo: {handler: fault_handlers:echo}\n"
+NAP = "name: nap\nslo_ms: 5000\nfunctions:\n  nap: {handler: fault_handlers:nap, max_instances: 4}\n"
 TOKEN = "s3cret-token-of-32-characters!!!"
 
 
-def _serve(local_invoker, scenario, **gateway_options):
+def _serve(local_invoker, scenario, spec=ECHO, **gateway_options):
     async def go():
         engine = Engine(local_invoker)
-        await engine.deploy(parse_spec(ECHO, "echo.yaml", HERE))
+        await engine.deploy(parse_spec(spec, "spec.yaml", HERE))
         try:
             server = GatewayServer(Gateway(engine, **gateway_options))
             async with server, aiohttp.ClientSession() as session:
@@ -103,3 +105,51 @@ def test_json_depth():
     assert json_depth(1) == 0
     assert json_depth({}) == 1
     assert json_depth({"a": [1, {"b": []}]}) == 4
+
+
+def test_invocations_past_the_admission_limits_get_503_and_the_gateway_goes_on(local_invoker):
+    """Two invocations sleeping in flight fill `max_in_flight=2`: a third is refused at once, with
+    Retry-After and the limit named, and counted; once they end the next is admitted. A body that
+    would pass the body bytes in flight is refused while another holds bytes, admitted alone."""
+
+    async def scenario(session, url):
+        invoke = f"{url}/workflows/nap/invoke"
+
+        async def post(event, **kw):
+            async with session.post(invoke, json=event, **kw) as r:
+                return r.status, dict(r.headers), await r.json()
+
+        nappers = [asyncio.create_task(post({"seconds": 1.0, "value": i})) for i in range(2)]
+        await asyncio.sleep(0.3)  # both admitted and asleep
+        refused = await post({"value": "third"})
+        slept = await asyncio.gather(*nappers)
+        after = await post({"value": "after"})
+        big = {"value": "x" * 980}  # 993 bytes: alone within 1,000, not beside another body
+        napper = asyncio.create_task(post({"seconds": 1.0, "value": "small"}))
+        await asyncio.sleep(0.3)
+        big_refused = await post(big)
+        await napper
+        big_alone = await post(big)
+        async with session.get(f"{url}/metrics") as r:
+            metrics = await r.text()
+        return refused, slept, after, big_refused, big_alone, metrics
+
+    refused, slept, after, big_refused, big_alone, metrics = _serve(
+        local_invoker, scenario, spec=NAP, max_in_flight=2, max_body_bytes_in_flight=1000
+    )
+    status, headers, body = refused
+    assert status == 503 and headers["Retry-After"] == "1"
+    assert body["error"] == "the gateway is at its limit of 2 invocations in flight; retry in 1 s"
+    assert [(s, b["output"]) for s, _, b in slept] == [(200, {"echo": 0}), (200, {"echo": 1})]
+    assert after[0] == 200 and after[2]["output"] == {"echo": "after"}
+    assert big_refused[0] == 503
+    assert "would pass its limit of 1,000; retry in 1 s" in big_refused[2]["error"]
+    assert big_alone[0] == 200
+    assert 'streambox_requests_refused_total{workflow="nap"} 2.0' in metrics
+
+
+@pytest.mark.parametrize("option", ["max_in_flight", "max_body_bytes_in_flight", "max_body_bytes"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_admission_limits_must_be_positive_integers(option, value):
+    with pytest.raises(ValueError, match=f"gateway {option} must be a positive integer, got {value!r}"):
+        Gateway(None, **{option: value})  # type: ignore[arg-type]
