@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import registry
+from . import model_lease, registry
 from .calibration import CALIBRATION_DIR
 from .lowering import lower_model
 from .memory_profile import MemoryProfile, profile_plan
@@ -69,13 +69,16 @@ class ModelPool:
         self._lower = lower_fn
 
     def entry(self, model: str) -> ModelEntry:
-        """The zoo entry of ``model``, or a registered model (``name`` or ``name@version``) as one."""
+        """The zoo entry of ``model``, or a registered model (``name`` or ``name@version``) as one.
+        This process then holds the registered version's lease for its life (`model_lease`), so
+        `models remove` refuses it while the process serves it."""
         if model in ZOO:
             return ZOO[model]
         record = registry.find(self.root, model)
         if record is None:
             known = list(ZOO) + [r.ref for r in registry.registered(self.root)]
             raise UnknownModelError(model, known)
+        model_lease.hold(self.root / record.ref)
         return registry.as_entry(self.root, record)
 
     def path_for(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> Path:

@@ -33,6 +33,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 from torch.export.graph_signature import InputKind
 
+from . import model_lease
 from .argcodec import dtype_from_name, dtype_name
 from .memory_profile import profile_plan
 from .model_import import (
@@ -415,18 +416,30 @@ def verify(root: Path | str, ref: str) -> list[tuple[int, float]]:
     return results
 
 
-def remove(root: Path | str, ref: str) -> list[str]:
-    """Remove ``name@version``, or every version of ``name``; returns what was removed."""
+def remove(root: Path | str, ref: str, *, force: bool = False) -> list[str]:
+    """Remove ``name@version``, or every version of ``name``; returns what was removed. A version that
+    a running process serves (`model_lease`) is refused with `ModelInUse`, and then nothing is
+    removed; `force` removes it anyway."""
     root = Path(root)
     name, version = parse_ref(ref)
-    gone = []
-    for v in _versions(root, name) if version is None else [version]:
-        target = root / f"{name}@{v}"
-        if not (target / MANIFEST).exists():
-            continue
-        # Rename first so readers never see a half-deleted model.
-        trash = Path(tempfile.mkdtemp(prefix=f".trash-{name}@{v}-", dir=root))
-        os.rename(target, trash / "model")
-        shutil.rmtree(trash, ignore_errors=True)
-        gone.append(f"{name}@{v}")
-    return gone
+    targets = [
+        (f"{name}@{v}", root / f"{name}@{v}")
+        for v in (_versions(root, name) if version is None else [version])
+        if (root / f"{name}@{v}" / MANIFEST).exists()
+    ]
+    leases: list[int] = []
+    try:
+        if not force:
+            for found, target in targets:
+                leases.append(model_lease.exclusive(target, found))
+        gone = []
+        for found, target in targets:
+            # Rename first so readers never see a half-deleted model.
+            trash = Path(tempfile.mkdtemp(prefix=f".trash-{found}-", dir=root))
+            os.rename(target, trash / "model")
+            shutil.rmtree(trash, ignore_errors=True)
+            gone.append(found)
+        return gone
+    finally:
+        for fd in leases:
+            os.close(fd)

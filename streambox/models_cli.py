@@ -128,8 +128,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_remove(args: argparse.Namespace) -> int:
     from streambox.kernel_compiler import registry
+    from streambox.kernel_compiler.model_lease import ModelInUse
 
-    removed = registry.remove(_pool(args), args.model)
+    try:
+        removed = registry.remove(_pool(args), args.model, force=args.force)
+    except ModelInUse as error:
+        print(f"streambox models: error: {error}", file=sys.stderr)
+        return 2
     if not removed:
         _record(args)  # raises, naming what is registered
     print(f"removed {', '.join(removed)}")
@@ -177,3 +182,7 @@ def add_models_arguments(models: argparse.ArgumentParser) -> None:
         action = sub.add_parser(name, parents=[common], help=text)
         action.add_argument("model", help="name (latest version) or name@version")
         action.set_defaults(handler=handler)
+        if name == "remove":
+            action.add_argument(
+                "--force", action="store_true", help="remove it even while a running server serves it"
+            )

@@ -3,6 +3,7 @@ failure of a model the lowering cannot express."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -211,3 +212,57 @@ def test_a_user_s_mistakes_in_registration_are_one_clear_error(tmp_path, factory
         with pytest.raises(ValueError, match=message):
             registry.register(root, "net", **kwargs)
     assert not root.exists() or not any(root.iterdir())
+
+
+def _serving(root: Path, ref: str) -> subprocess.Popen:
+    """Another process that resolves `ref` in the pool at `root`, as a proxy does, and stays up until
+    its stdin closes."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from streambox.kernel_compiler.model_pool import ModelPool; "
+            f"ModelPool({str(root)!r}).entry({ref!r}); print('serving', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout.readline() == "serving\n"
+    return process
+
+
+def test_a_version_a_running_process_serves_is_not_removed_until_it_ends(tmp_path, factory_module, capsys):
+    """Another process resolves `net` (as a proxy does before lowering or loading it): removing it is
+    refused with a clear error and leaves every version in place; `--force` would remove it; once that
+    process ends (its lease goes with it) the removal succeeds."""
+    from streambox.cli import main
+    from streambox.kernel_compiler.model_lease import ModelInUse
+
+    root = tmp_path / "pool"
+    registry.register(root, "net", factory=f"{factory_module.__name__}:build")
+    registry.register(root, "net", factory=f"{factory_module.__name__}:build")
+    server = _serving(root, "net@1")
+    try:
+        with pytest.raises(ModelInUse, match=r"net@1 is in use by a running process .* pass --force"):
+            registry.remove(root, "net")
+        assert [r.ref for r in registry.registered(root)] == ["net@1", "net@2"]  # all or nothing
+        assert registry.remove(root, "net@2") == ["net@2"]  # not the one served
+        assert main(["models", "remove", "net@1", "--pool", str(root)]) == 2
+        assert "streambox models: error: net@1 is in use by a running process" in capsys.readouterr().err
+        assert [r.ref for r in registry.registered(root)] == ["net@1"]
+    finally:
+        server.communicate("", timeout=60)
+    assert main(["models", "remove", "net", "--pool", str(root)]) == 0
+    assert registry.registered(root) == []
+
+
+def test_force_removes_a_version_in_use(tmp_path, factory_module):
+    root = tmp_path / "pool"
+    registry.register(root, "net", factory=f"{factory_module.__name__}:build")
+    holder = _serving(root, "net")
+    try:
+        assert registry.remove(root, "net", force=True) == ["net@1"]
+        assert registry.registered(root) == []
+    finally:
+        holder.communicate("", timeout=60)
