@@ -11,8 +11,10 @@
   jobs) where its footprint fits (`proxy_footprint.py`: predicted from its models' profiles, then
   the larger of that and what it last reported), ties to the GPU with fewer warm proxies, then the
   lowest index. Where none fits, the longest-idle proxies there are evicted first; idle ones stop
-  after `keep_alive_s`. `max_proxies_per_device` adds a count cap (the paper's 3:
-  `keepalive.PAPER_PROXIES_PER_DEVICE`); default none. `placement()` and each proxy's `stats`
+  after `keep_alive_s`. A proxy is busy from a request's first call until the request ends, between
+  its calls too: the keys its functions PUT for the next ones live in that proxy's store.
+  `max_proxies_per_device` adds a count cap (the paper's 3: `keepalive.PAPER_PROXIES_PER_DEVICE`);
+  default none. `placement()` and each proxy's `stats`
   (`device.index`) say where each one runs.
 - `runtime_stats()` (the gateway's `/metrics` callback) returns what the proxies reported last; a
   background task refreshes it every `stats_period_s`.
@@ -70,6 +72,9 @@ class _Deployed:
     client: AsyncProxyClient | None = None
     starting: asyncio.Future[None] | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    # Requests with a call on the running proxy, until `end_request`: their keys live in its store,
+    # so it counts as busy between their calls too and is never evicted under them.
+    requests: set[str] = field(default_factory=set)
 
 
 class ProxyInvoker:
@@ -148,6 +153,9 @@ class ProxyInvoker:
         proxy_cold = await self._ensure_proxy(wf)
         proxy_start_s = time.perf_counter() - started if proxy_cold else 0.0
         assert wf.client is not None
+        if request_id not in wf.requests:
+            wf.requests.add(request_id)
+            self.warm.begin(workflow, time.monotonic())  # ended by `end_request`
         self.warm.begin(workflow, time.monotonic())
         try:
             reply = await wf.client.invoke(function, event, request_id, timeout_s=limit)
@@ -181,6 +189,10 @@ class ProxyInvoker:
 
     async def end_request(self, workflow: str, request_id: str) -> None:
         wf = self._workflows.get(workflow)
+        if wf is not None and request_id in wf.requests:
+            wf.requests.discard(request_id)
+            if workflow in self.warm.warm():
+                self.warm.end(workflow, time.monotonic())
         if wf is not None and wf.client is not None:
             with contextlib.suppress(Exception):
                 await wf.client.end_request(request_id)
@@ -304,6 +316,7 @@ class ProxyInvoker:
         client, proxy = wf.client, wf.proxy
         wf.client = wf.proxy = None
         wf.stats = {}
+        wf.requests.clear()  # their keys go with the proxy
         if client is not None:
             client.close()
         if proxy is not None:

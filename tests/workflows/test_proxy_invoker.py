@@ -170,3 +170,31 @@ def test_proxies_are_admitted_by_the_gpus_free_memory_and_the_prediction_matches
         asyncio.run(scenario())
     finally:
         job.close()
+
+
+def test_a_proxy_is_not_evicted_between_the_calls_of_a_request(tmp_path):
+    """One slot. `a`'s request has made its key and not yet read it: its proxy is idle between the
+    calls, but a request of `b` must wait for the slot until `a`'s request ends, not evict `a` (whose
+    store holds the key: the next call would wait for it in vain)."""
+    (tmp_path / "invoker_test_handlers.py").write_text(HANDLERS)
+    config = Config.from_env().with_overrides(state_dir=tmp_path / "state")
+
+    async def scenario() -> None:
+        invoker = ProxyInvoker(config, max_proxies_per_device=1, proxy_options={"prefork": 0})
+        try:
+            for name in ("a", "b"):
+                await invoker.deploy(_spec(name, tmp_path))
+            made = await invoker.invoke("a", "make", {"scale": 1}, "r-a")
+            other = asyncio.ensure_future(invoker.invoke("b", "make", {"scale": 1}, "r-b"))
+            await asyncio.sleep(0.5)
+            assert not other.done() and invoker.warm.warm() == ["a"]
+            total = await invoker.invoke("a", "total", {"key": made.output["key"]}, "r-a", timeout_s=5)
+            assert total.output == {"sum": 15.0}
+            await invoker.end_request("a", "r-a")
+            await asyncio.wait_for(other, 60)
+            assert invoker.warm.warm() == ["b"]
+            await invoker.end_request("b", "r-b")
+        finally:
+            await invoker.close()
+
+    asyncio.run(scenario())
