@@ -26,7 +26,7 @@ from streambox.sdk import GET_TIMEOUT_S
 from . import wire
 from .channel import ClientChannel
 from .errors import ChannelClosed, FunctionFailed, decode_error
-from .handles import DTYPES, Handle, qualify_key, request_key
+from .handles import DTYPES, Handle, handle_in_json, qualify_key, request_key
 
 if TYPE_CHECKING:
     import torch
@@ -297,13 +297,20 @@ MAX_OUTPUT_BYTES = 64 << 20
 
 
 def _as_json(value: Any) -> Any:
-    """The handler's output as its caller will see it, JSON's: string keys, no NaN or infinities, at
-    most `MAX_OUTPUT_BYTES`. Raises `FunctionFailed` saying why not, so that the output fails its
-    own request only (a map with integer keys used to reach the gateway and stop its reader)."""
+    """The handler's output as its caller will see it, JSON's: string keys, no NaN or infinities, no
+    device handle, at most `MAX_OUTPUT_BYTES`. Raises `FunctionFailed` saying why not, so that the
+    output fails its own request only (a map with integer keys used to reach the gateway and stop
+    its reader)."""
     try:
         text = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise FunctionFailed(f"the handler returned a value that is not JSON-able: {exc}") from None
+    where = handle_in_json(value, text)
+    if where is not None:
+        raise FunctionFailed(
+            f"the handler returned a device handle ({where}): its memory is the invocation's and is "
+            "freed when it ends; return ctx.download(handle).tolist(), or ctx.put it and return the key"
+        )
     if len(text) > MAX_OUTPUT_BYTES:
         raise FunctionFailed(
             f"the handler's output is {len(text)} bytes as JSON, more than the bound of {MAX_OUTPUT_BYTES}; "

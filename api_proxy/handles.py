@@ -2,9 +2,10 @@
 
 A `Handle` names a buffer in the device memory of one workflow's proxy: the workflow, the device
 address, the dtype, shape, strides (in elements) and size in bytes. It is a plain named tuple, so
-msgpack packs it as an array and it travels through the forwarding channel (and through a workflow's
-JSON events, if a handler chooses to) unchanged. Function processes never dereference it; the proxy
-checks every handle it receives against its own table of live buffers.
+msgpack packs it as an array and it travels through the forwarding channel unchanged. Function
+processes never dereference it; the proxy checks every handle it receives against its own table of
+live buffers. It does not leave its invocation in an output (`handle_in_json`): its memory is the
+invocation's, freed when the invocation ends; the store (put/get) passes data on.
 
 Keys: `ctx.key(name)` gives the request-scoped key `"<workflow>/<request id>/<name>"`; a bare name
 without a slash is qualified to `"<workflow>/<name>"` (workflow-wide). A key is accepted by a proxy
@@ -16,6 +17,7 @@ Torch-free: importing this module (function side) must not import torch.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, NamedTuple
 
 from .errors import IsolationError
@@ -106,3 +108,40 @@ def check_key(workflow: str, key: Any, request_id: str | None = None) -> str:
 
 def request_prefix(workflow: str, request_id: str) -> str:
     return f"{workflow}/{request_id}/"
+
+
+_INTS = r"\[(?:-?\d+(?:, -?\d+)*)?\]"
+#: JSON of a `Handle`: [workflow, address, dtype, shape, strides, nbytes].
+_HANDLE_JSON = re.compile(
+    rf'\["(?:[^"\\]|\\.)*", \d+, "(?:{"|".join(map(re.escape, DTYPES))})", {_INTS}, {_INTS}, \d+\]'
+)
+
+
+def _handle_path(value: Any, name: str) -> str | None:
+    """Where in `value` (called `name`) a device handle sits, None if nowhere."""
+    stack: list[tuple[Any, Any, Any]] = [(value, None, None)]  # (value, parent's entry, key in parent)
+    while stack:
+        item = stack.pop()
+        current = item[0]
+        if type(current) is Handle:
+            keys = []
+            while item[1] is not None:
+                keys.append(f"[{item[2]!r}]")
+                item = item[1]
+            return name + "".join(reversed(keys))
+        if isinstance(current, dict):
+            children: Any = current.items()
+        elif isinstance(current, list | tuple):
+            children = enumerate(current)
+        else:
+            continue
+        stack.extend((child, item, key) for key, child in children if isinstance(child, dict | list | tuple))
+    return None
+
+
+def handle_in_json(value: Any, text: str, name: str = "output") -> str | None:
+    """Where a device handle sits in `value` (called `name`), whose JSON is `text`: e.g.
+    ``output['boxes'][0]``, None if nowhere. JSON writes a handle (a named tuple) as a list, its
+    device address included. The scan of `text` runs in C; only a match pays the walk of `value`
+    (Python), which tells a real handle from a look-alike list of the caller's own values."""
+    return _handle_path(value, name) if _HANDLE_JSON.search(text) else None

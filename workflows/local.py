@@ -33,7 +33,7 @@ import torch
 from streambox.api_proxy.device_tensor import DeviceTensor, download_tensor, upload_tensor
 from streambox.api_proxy.errors import IsolationError
 from streambox.api_proxy.executor import DeviceModel, PlanExecutor, StreamPoolAllocator, upload_model
-from streambox.api_proxy.handles import Handle
+from streambox.api_proxy.handles import Handle, handle_in_json
 from streambox.comm.errors import GetTimeout  # one GET-timeout error in every runtime
 from streambox.comm.lease import span_bytes
 from streambox.comm.store_protocol import check_put_args
@@ -403,11 +403,19 @@ class LocalContext:
 
 
 def _json_copy(value: Any, what: str) -> Any:
-    """Values cross the function boundary as JSON, as on the wire: refuse anything else."""
+    """Values cross the function boundary as JSON, as on the wire: refuse anything else, and a
+    device handle (its memory is the invocation's)."""
     try:
-        return json.loads(json.dumps(value, allow_nan=False))
+        text = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise TypeError(f"{what} is not JSON-able: {error}") from None
+    where = handle_in_json(value, text, "value")
+    if where is not None:
+        raise TypeError(
+            f"{what} holds a device handle ({where}): its memory is "
+            "the invocation's; download it, or put it and pass the key"
+        )
+    return json.loads(text)
 
 
 class LocalInvoker:

@@ -137,6 +137,10 @@ HANDLERS = textwrap.dedent(
             return 10**40
         if kind == "nan":
             return {"f": float("nan")}
+        if kind == "handle":
+            return {"boxes": [ctx.upload(torch.zeros(2))], "pid": os.getpid()}
+        if kind == "lookalike":  # a handle's JSON shape, made of the user's own values
+            return {"row": ["w", 1, "float32", [2], [1], 8], "pid": os.getpid()}
         return "x" * ((64 << 20) + 1)
     """
 )
@@ -296,11 +300,14 @@ def test_an_output_is_json_s_or_fails_its_own_request(a):
     first = client.invoke("odd_output", {"kind": "intkey"}, request_id="r-intkey")["output"]
     assert first["1"] == "a"
     for kind, match in (("nan", "not JSON-able: Out of range float"), ("bigint", "64-bit"),
-                        ("big", "more than the bound of 67108864")):
+                        ("big", "more than the bound of 67108864"),
+                        ("handle", r"returned a device handle \(output\['boxes'\]\[0\]\): its memory")):
         with pytest.raises(FunctionFailed, match=match):
             client.invoke("odd_output", {"kind": kind}, request_id=f"r-{kind}")
     after = client.invoke("odd_output", {"kind": "intkey"}, request_id="r-after")["output"]
     assert after["pid"] == first["pid"]  # the same instance: none of these outputs took it down
+    lookalike = client.invoke("odd_output", {"kind": "lookalike"}, request_id="r-look")["output"]
+    assert lookalike["row"] == ["w", 1, "float32", [2], [1], 8]
 
 
 def test_a_killed_instance_s_uploads_end_before_its_buffers_are_freed(a, settled):

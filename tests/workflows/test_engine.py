@@ -135,6 +135,11 @@ def test_outputs_must_be_json(make_invoker, run):
         "bad failed: TypeError: the output of 'bad' is not JSON-able: "
         "Object of type Tensor is not JSON serializable"
     )
+    (handle,) = run(run_once(make_invoker(), spec_of(text.replace("not_json", "returns_handle")), {}))
+    assert handle.error == (
+        "bad failed: TypeError: the output of 'bad' holds a device handle (value['kept'][0]): its memory "
+        "is the invocation's; download it, or put it and pass the key"
+    )
 
 
 SLOW = """

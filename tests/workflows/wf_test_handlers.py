@@ -60,6 +60,10 @@ def not_json(ctx: Any, event: dict[str, Any]) -> Any:
     return {"tensor": torch.zeros(1)}
 
 
+def returns_handle(ctx: Any, event: dict[str, Any]) -> Any:
+    return {"kept": [ctx.upload(torch.zeros(1))]}
+
+
 def produce(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
     """Puts a device tensor of 0..n-1 for the consumers and tells them its key."""
     handle = ctx.upload(torch.arange(event["n"], dtype=torch.float32))
