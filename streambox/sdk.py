@@ -37,6 +37,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 GET_TIMEOUT_S = 10.0
 
 
+class InvalidInput(ValueError):
+    """Raise it from a handler when the event, the caller's input, is wrong (an image that does not
+    decode, a field of the wrong type): the gateway answers 400 with its message, not 500 (which
+    says the function failed). It fails the request as any error does; only the HTTP status and
+    `RequestResult.error_type` tell it apart."""
+
+
 @runtime_checkable
 class Context(Protocol):
     """A handler's `ctx`, wherever it runs (the same calls, semantics and GET timeout).

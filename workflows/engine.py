@@ -73,6 +73,7 @@ class CallRecord:
     queued_s: float = 0.0  # waiting for a free instance (max_instances)
     wall_s: float = 0.0  # from being ready to run to its end, as the engine saw it
     error: str | None = None
+    error_type: str | None = None  # the handler's exception class (`InvocationError.error_type`)
     after: CallRecord | None = None  # the call whose end made this one ready (None: an entry)
     ready_s: float = 0.0  # when it became ready, from the start of the request
     #: seconds by phase (`streambox.phases`), adding up to `wall_s`; empty unless it succeeded
@@ -114,6 +115,7 @@ class RequestResult:
     error: str | None = None
     failed_call: str | None = None
     traceback: str | None = None
+    error_type: str | None = None  # the failed call's handler exception class, if a handler raised
 
     @property
     def ok(self) -> bool:
@@ -202,6 +204,8 @@ class RequestResult:
         }
         if not self.ok:
             body.update(error=self.error, failed_call=self.failed_call)
+            if self.error_type:
+                body["error_type"] = self.error_type
             if self.traceback:
                 body["traceback"] = self.traceback
         return body
@@ -318,6 +322,7 @@ class _Run:
         except InvocationError as error:
             record.status = ERROR
             record.error = f"{error.error_type}: {error.message}"
+            record.error_type = error.error_type
             message = f"{record.label} failed: {record.error}"
             raise _CallFailed(record, message, tb=error.traceback) from error
         except Exception as error:  # the invoker itself broke: still only this request fails
@@ -472,6 +477,7 @@ class Engine:
         run = _Run(self, wf, request_id)
         started = run.started
         status, output, error, failed, tb = OK, None, None, None, None
+        error_type: str | None = None
         try:
             await run.execute(event, timeout_s)
             output = run.output()
@@ -487,6 +493,7 @@ class Engine:
             else:
                 status = TIMEOUT if failure.timeout else ERROR
                 error, failed, tb = str(failure), failure.record.label, failure.traceback
+                error_type = failure.record.error_type
         except Exception as bug:  # the engine's own mistake must not take the gateway down
             log.exception("workflow %s request %s: engine error", workflow, request_id)
             status, error = ERROR, f"internal error: {type(bug).__name__}: {bug}"
@@ -504,6 +511,7 @@ class Engine:
             error=error,
             failed_call=failed,
             traceback=tb,
+            error_type=error_type,
         )
 
     async def _end_request(self, workflow: str, request_id: str) -> None:

@@ -8,7 +8,8 @@ Routes:
   keys. ``?timeout_ms=`` may shorten the workflow's ``timeout_ms`` (never lengthen it). Answers 200
   with the output and the per-function breakdown, 500 when a function failed, 504 on a timeout (both
   with the same body plus ``error`` and ``failed_call``), 404 for an unknown workflow, 400 for a body
-  that is not an event, 503 past the admission limits (below).
+  that is not an event or that a function refused (`streambox.InvalidInput`, with the 500's body),
+  503 past the admission limits (below).
 - ``GET /workflows``: the deployed workflows (SLO, functions, edges).
 - ``GET /healthz``: ``{"status": "ok", "workflows": [...]}``.
 - ``GET /metrics``: Prometheus text format (`metrics.py`).
@@ -33,6 +34,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+
+from streambox.sdk import InvalidInput
 
 from .engine import Engine
 from .image_input import MAX_JSON_DEPTH, BodyError, event_from_body, json_depth  # noqa: F401 - re-exported
@@ -189,11 +192,10 @@ class Gateway:
         self.metrics.observe(result)
         if not result.ok:
             log.warning("workflow %s request %s: %s", name, result.request_id, result.error)
-        return web.json_response(
-            result.to_json(),
-            status=_HTTP_STATUS[result.status],
-            headers={"X-Request-Id": result.request_id},
-        )
+        status = _HTTP_STATUS[result.status]
+        if result.error_type == InvalidInput.__name__:  # the handler says the event is wrong
+            status = 400
+        return web.json_response(result.to_json(), status=status, headers={"X-Request-Id": result.request_id})
 
     async def workflows(self, request: web.Request) -> web.Response:
         body = {

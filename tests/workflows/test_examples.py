@@ -101,7 +101,8 @@ def test_bad_events_fail_with_the_reason(make_invoker, run):
 
     result = run(go())
     assert result.status == "error" and result.failed_call == "detect"
-    assert result.error.startswith("detect failed: ValueError: 'image' is not base64 text")
+    assert result.error.startswith("detect failed: InvalidInput: 'image' is not base64 text")
+    assert result.error_type == "InvalidInput"  # the gateway's 400: the caller's input is wrong
 
 
 def test_images_round_trip_and_crops():

@@ -146,15 +146,27 @@ def test_a_bundled_workflow_takes_a_png_body_and_a_multipart_upload(make_invoker
                     as_form = (r.status, await r.json())
                 async with session.post(url, data=b"GIF89a", headers={"Content-Type": "image/png"}) as r:
                     refused = (r.status, await r.json())
+                bad = []  # JSON events whose image the entry function cannot decode: the caller's fault
+                for value in (base64.b64encode(b"\x89PNG\r\n\x1a\n garbage").decode(), 5):
+                    async with session.post(url, json={"image": value}) as r:
+                        bad.append((r.status, await r.json()))
+                async with session.post(url, json={"image": encode_image(image)}) as r:
+                    after = (r.status, await r.json())
         finally:
             await server.stop()
             await engine.close()
-        return as_npy, as_png, as_form, refused
+        return as_npy, as_png, as_form, refused, bad, after
 
-    as_npy, as_png, as_form, refused = run(go())
+    as_npy, as_png, as_form, refused, bad, after = run(go())
     assert as_npy[0] == as_png[0] == as_form[0] == 200, (as_png, as_form)
     assert as_png[1]["output"] == as_npy[1]["output"] == as_form[1]["output"]
     assert refused[0] == 400 and "not a JPEG or PNG" in refused[1]["error"]
+    (corrupt, corrupt_body), (wrong_type, wrong_type_body) = bad
+    assert corrupt == wrong_type == 400  # was 500: the function's failure
+    assert corrupt_body["error_type"] == "InvalidInput" and corrupt_body["failed_call"] == "recognize"
+    assert "recognize failed: InvalidInput: 'image': a corrupt PNG image" in corrupt_body["error"]
+    assert "'image' must be" in wrong_type_body["error"]
+    assert after[0] == 200 and after[1]["output"] == as_npy[1]["output"]
 
 
 def test_invoke_command_sends_an_image_file(tmp_path, make_invoker, run, capsys):

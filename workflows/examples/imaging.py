@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from streambox.sdk import InvalidInput
+
 from ..image_input import decode_image_field
 
 
@@ -32,8 +34,12 @@ def encode_image(image: np.ndarray) -> str:
 
 
 def decode_image(text: object) -> torch.Tensor:
-    """The event's image (base64 of JPEG, PNG or `.npy` bytes) as a float tensor `[3, H, W]` in [0, 1]."""
-    return decode_image_field(text)
+    """The event's image (base64 of JPEG, PNG or `.npy` bytes) as a float tensor `[3, H, W]` in [0, 1];
+    `InvalidInput` (the gateway's 400) when it is not one."""
+    try:
+        return decode_image_field(text)
+    except ValueError as error:
+        raise InvalidInput(str(error)) from None
 
 
 def image_to_uint8(image: torch.Tensor) -> np.ndarray:

@@ -43,7 +43,7 @@ FLAGGED_TOPICS = frozenset({"spam", "abuse"})
 def classify_text(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
     text = event.get("text")
     if not isinstance(text, str):
-        raise ValueError(f"the event's 'text' must be a string, got {type(text).__name__}")
+        raise streambox.InvalidInput(f"the event's 'text' must be a string, got {type(text).__name__}")
     length = int(event.get("params", {}).get("seq_len", DEFAULT_SEQ_LEN))
     ids, count = tokenize(text, length, get_entry("text_encoder").vocab_size or 2)
     (logits,) = ctx.infer("text_encoder", ids)
