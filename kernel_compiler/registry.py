@@ -418,7 +418,7 @@ def verify(root: Path | str, ref: str) -> list[tuple[int, float]]:
 
 def remove(root: Path | str, ref: str, *, force: bool = False) -> list[str]:
     """Remove ``name@version``, or every version of ``name``; returns what was removed. A version that
-    a running process serves (`model_lease`) is refused with `ModelInUse`, and then nothing is
+    another running process serves (`model_lease`) is refused with `ModelInUse`, and then nothing is
     removed; `force` removes it anyway."""
     root = Path(root)
     name, version = parse_ref(ref)
@@ -427,19 +427,18 @@ def remove(root: Path | str, ref: str, *, force: bool = False) -> list[str]:
         for v in (_versions(root, name) if version is None else [version])
         if (root / f"{name}@{v}" / MANIFEST).exists()
     ]
-    leases: list[int] = []
-    try:
-        if not force:
-            for found, target in targets:
-                leases.append(model_lease.exclusive(target, found))
+    with model_lease.exclusive([] if force else targets) as leased:
         gone = []
         for found, target in targets:
+            if not force and found not in leased:
+                continue  # another removal took it meanwhile
             # Rename first so readers never see a half-deleted model.
             trash = Path(tempfile.mkdtemp(prefix=f".trash-{found}-", dir=root))
-            os.rename(target, trash / "model")
-            shutil.rmtree(trash, ignore_errors=True)
+            try:
+                os.rename(target, trash / "model")
+            except FileNotFoundError:  # another removal took it meanwhile
+                continue
+            finally:
+                shutil.rmtree(trash, ignore_errors=True)
             gone.append(found)
         return gone
-    finally:
-        for fd in leases:
-            os.close(fd)

@@ -128,11 +128,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_remove(args: argparse.Namespace) -> int:
     from streambox.kernel_compiler import registry
-    from streambox.kernel_compiler.model_lease import ModelInUse
+    from streambox.kernel_compiler.model_lease import ModelLeaseError
 
     try:
         removed = registry.remove(_pool(args), args.model, force=args.force)
-    except ModelInUse as error:
+    except ModelLeaseError as error:
         print(f"streambox models: error: {error}", file=sys.stderr)
         return 2
     if not removed:

@@ -41,7 +41,8 @@ class InvalidInput(ValueError):
     """Raise it from a handler when the event, the caller's input, is wrong (an image that does not
     decode, a field of the wrong type): the gateway answers 400 with its message, not 500 (which
     says the function failed). It fails the request as any error does; only the HTTP status and
-    `RequestResult.error_type` tell it apart."""
+    `RequestResult.error_type` tell it apart. Raise this class itself: its name is what crosses the
+    process boundary, so a subclass is an ordinary error (500)."""
 
 
 @runtime_checkable

@@ -399,7 +399,8 @@ class Deployment:
         except json.JSONDecodeError:
             body = {"error": text[:500]}
         body = body if isinstance(body, dict) else {"body": body}
-        status = str(body.get("status", "")) if response.status in (200, 500, 504) else ""
+        # 400 with a body: a function refused the event (`streambox.InvalidInput`), an error like 500's.
+        status = str(body.get("status", "")) if response.status in (200, 400, 500, 504) else ""
         if status not in ("ok", "error", "timeout") or (status == "ok") != (response.status == 200):
             status = f"http-{response.status}"
         return Outcome(latency, status, body)

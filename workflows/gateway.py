@@ -16,8 +16,8 @@ Routes:
 
 Safety: an event nested deeper than `MAX_JSON_DEPTH` is refused with 400 (not a 500 from the
 parser's recursion); at most `max_in_flight` invocations are admitted at once, holding at most
-`max_body_bytes_in_flight` bytes of bodies (a body counts at its Content-Length, or at
-`max_body_bytes` when it sends none), and one past either limit is answered 503 with ``Retry-After``
+`max_body_bytes_in_flight` bytes of bodies (a body counts at its Content-Length; a chunked one, which
+declares none, at `max_body_bytes`), and one past either limit is answered 503 with ``Retry-After``
 before its body is read (Triton's full queue answers UNAVAILABLE the same way); with a `token`,
 every route but ``/healthz`` wants ``Authorization: Bearer <token>`` (401 otherwise);
 `GatewayServer` binds beyond the loopback interface only with `allow_remote=True`, and warns when
@@ -136,8 +136,11 @@ class Gateway:
         spec = self.engine.specs.get(name)
         if spec is None:
             return _error(404, f"unknown workflow {name!r}", workflows=sorted(self.engine.specs))
-        declared = request.content_length
-        reserved = self.max_body_bytes if declared is None else min(declared, self.max_body_bytes)
+        declared = request.content_length  # None: no body, or a chunked one (up to the body bound)
+        if declared is None:
+            reserved = self.max_body_bytes if request.body_exists else 0
+        else:
+            reserved = min(declared, self.max_body_bytes)
         refusal = self._refusal(reserved)
         if refusal is not None:
             self.metrics.refused.labels(name).inc()

@@ -152,13 +152,14 @@ class ProxyInvoker:
         limit = fn_timeout if timeout_s is None else min(fn_timeout, timeout_s)
         proxy_cold = await self._ensure_proxy(wf)
         proxy_start_s = time.perf_counter() - started if proxy_cold else 0.0
-        assert wf.client is not None
+        client = wf.client
+        assert client is not None
         if request_id not in wf.requests:
             wf.requests.add(request_id)
             self.warm.begin(workflow, time.monotonic())  # ended by `end_request`
         self.warm.begin(workflow, time.monotonic())
         try:
-            reply = await wf.client.invoke(function, event, request_id, timeout_s=limit)
+            reply = await client.invoke(function, event, request_id, timeout_s=limit)
         except FunctionTimeout as exc:
             raise InvocationTimeout(f"{function} ran past {limit:.3f} s: {exc}") from None
         except TimeoutError:
@@ -171,8 +172,8 @@ class ProxyInvoker:
             raise InvocationError(function, kind, message, f.get("traceback")) from None
         except ProxyError as exc:
             raise InvocationError(function, type(exc).__name__, str(exc)) from None
-        finally:
-            if workflow in self._workflows and workflow in self.warm.warm():
+        finally:  # only on the proxy the call began on: a restarted one's count is its own calls'
+            if wf.client is client and workflow in self.warm.warm():
                 self.warm.end(workflow, time.monotonic())
         latency_s = time.perf_counter() - started
         phases = dict(reply.get("phases") or {})

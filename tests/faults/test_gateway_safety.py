@@ -128,13 +128,15 @@ def test_invocations_past_the_admission_limits_get_503_and_the_gateway_goes_on(l
         napper = asyncio.create_task(post({"seconds": 1.0, "value": "small"}))
         await asyncio.sleep(0.3)
         big_refused = await post(big)
+        async with session.post(invoke) as r:  # no body: reserves nothing, so not refused for bytes
+            bodiless = r.status
         await napper
         big_alone = await post(big)
         async with session.get(f"{url}/metrics") as r:
             metrics = await r.text()
-        return refused, slept, after, big_refused, big_alone, metrics
+        return refused, slept, after, big_refused, bodiless, big_alone, metrics
 
-    refused, slept, after, big_refused, big_alone, metrics = _serve(
+    refused, slept, after, big_refused, bodiless, big_alone, metrics = _serve(
         local_invoker, scenario, spec=NAP, max_in_flight=2, max_body_bytes_in_flight=1000
     )
     status, headers, body = refused
@@ -144,6 +146,7 @@ def test_invocations_past_the_admission_limits_get_503_and_the_gateway_goes_on(l
     assert after[0] == 200 and after[2]["output"] == {"echo": "after"}
     assert big_refused[0] == 503
     assert "would pass its limit of 1,000; retry in 1 s" in big_refused[2]["error"]
+    assert bodiless == 400  # not an event; it used to count as a 64 MiB body and get 503
     assert big_alone[0] == 200
     assert 'streambox_requests_refused_total{workflow="nap"} 2.0' in metrics
 

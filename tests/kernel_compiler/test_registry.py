@@ -257,6 +257,27 @@ def test_a_version_a_running_process_serves_is_not_removed_until_it_ends(tmp_pat
     assert registry.registered(root) == []
 
 
+def test_a_refused_removal_gives_this_process_its_own_lease_back(tmp_path, factory_module):
+    """This process serves `net` too: trying to remove it sets its own lease aside, and when another
+    process's lease refuses the removal, takes it back (else it would be invisible to removers)."""
+    from streambox.kernel_compiler import model_lease
+
+    root = tmp_path / "pool"
+    registry.register(root, "net", factory=f"{factory_module.__name__}:build")
+    ModelPool(root).entry("net")
+    key = (root / "net@1").absolute()
+    assert model_lease._held[key] >= 0
+    server = _serving(root, "net")
+    try:
+        with pytest.raises(model_lease.ModelInUse):
+            registry.remove(root, "net")
+        assert model_lease._held.get(key, -1) >= 0  # held again
+    finally:
+        server.communicate("", timeout=60)
+    assert registry.remove(root, "net") == ["net@1"]  # our own lease does not stop our own removal
+    assert key not in model_lease._held
+
+
 def test_force_removes_a_version_in_use(tmp_path, factory_module):
     root = tmp_path / "pool"
     registry.register(root, "net", factory=f"{factory_module.__name__}:build")
