@@ -83,6 +83,27 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive(text: str) -> int:
+    """A positive integer for argparse."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _gateway_options(args: argparse.Namespace) -> dict[str, int]:
+    """The gateway limits given on the command line (the others keep `Gateway`'s defaults)."""
+    options = {}
+    if args.max_in_flight is not None:
+        options["max_in_flight"] = args.max_in_flight
+    if args.max_in_flight_mib is not None:
+        options["max_body_bytes_in_flight"] = args.max_in_flight_mib << 20
+    return options
+
+
 def _token(path: str | None) -> str | None:
     """The bearer token in `path` (None: no token), or a clear error naming the file."""
     if path is None:
@@ -146,6 +167,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             small=inputs == "small",
             allow_remote=args.allow_remote,
             token=_token(args.token_file),
+            gateway_options=_gateway_options(args),
         )
     return 0
 
@@ -221,6 +243,16 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
         "--allow-remote", action="store_true", help="let --host be non-loopback (warns; use a token)"
     )
     p.add_argument("--token-file", help="a file holding the bearer token every caller must send")
+    p.add_argument(
+        "--max-in-flight",
+        type=_positive,
+        help="invocations the gateway admits at once; more get 503 + Retry-After (default 1024)",
+    )
+    p.add_argument(
+        "--max-in-flight-mib",
+        type=_positive,
+        help="MiB of request bodies the admitted invocations may hold; more get 503 (default 256)",
+    )
     add_setting_flags(p, RUN, MECHANISMS, DEVICE)
     add_deprecated_alias(p, "--small", "inputs", "small")
     p.set_defaults(handler=cmd_serve)

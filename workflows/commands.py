@@ -12,7 +12,7 @@ import json
 import logging
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,8 +92,10 @@ async def serve_async(
     stop: threading.Event | None = None,
     allow_remote: bool = False,
     token: str | None = None,
+    gateway_options: Mapping[str, int] | None = None,
 ) -> None:
-    """Deploy the workflows and serve them until `stop` is set or SIGINT/SIGTERM arrives."""
+    """Deploy the workflows and serve them until `stop` is set or SIGINT/SIGTERM arrives.
+    `gateway_options`: the gateway's limits (`Gateway`'s `max_in_flight`, `max_body_bytes_in_flight`)."""
     config = config or Config.from_env()
     invoker = (invoker_factory or _local_invoker)(config, system)
     if stats is None:
@@ -102,7 +104,7 @@ async def serve_async(
     try:
         for spec in specs:
             await engine.deploy(spec)
-        gateway = Gateway(engine, stats=stats, token=token)
+        gateway = Gateway(engine, stats=stats, token=token, **(gateway_options or {}))
         async with GatewayServer(gateway, host, port, allow_remote=allow_remote) as server:
             finished = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -134,6 +136,7 @@ def serve(
     small: bool = False,
     allow_remote: bool = False,
     token: str | None = None,
+    gateway_options: Mapping[str, int] | None = None,
 ) -> None:
     """`streambox serve WORKFLOW.yaml... [--backend emulated|cuda] [--system streambox|stream-only]`:
     validate the files, deploy them, and serve the gateway until interrupted."""
@@ -151,6 +154,7 @@ def serve(
             stop=stop,
             allow_remote=allow_remote,
             token=token,
+            gateway_options=gateway_options,
         )
     )
 

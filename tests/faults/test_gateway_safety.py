@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import aiohttp
 import pytest
 
-from streambox.workflows.commands import invoke_async
+from streambox.cli import _gateway_options, build_parser
+from streambox.workflows.commands import invoke_async, serve_async
 from streambox.workflows.engine import Engine
 from streambox.workflows.gateway import MAX_JSON_DEPTH, Gateway, GatewayServer, is_loopback, json_depth
 from streambox.workflows.validation import parse_spec
@@ -156,3 +158,47 @@ def test_invocations_past_the_admission_limits_get_503_and_the_gateway_goes_on(l
 def test_admission_limits_must_be_positive_integers(option, value):
     with pytest.raises(ValueError, match=f"gateway {option} must be a positive integer, got {value!r}"):
         Gateway(None, **{option: value})  # type: ignore[arg-type]
+
+
+def test_serve_sets_the_gateway_limits_from_its_flags(local_invoker):
+    """`streambox serve --max-in-flight 1 --max-in-flight-mib 1`: the server it runs has those limits."""
+    flags = ["--max-in-flight", "1", "--max-in-flight-mib", "1"]
+    options = _gateway_options(build_parser().parse_args(["serve", "nap.yaml", *flags]))
+    assert options == {"max_in_flight": 1, "max_body_bytes_in_flight": 1 << 20}
+    assert _gateway_options(build_parser().parse_args(["serve", "nap.yaml"])) == {}  # Gateway's defaults
+
+    async def go():
+        stop, ready = threading.Event(), asyncio.Event()
+        urls = []
+
+        def on_ready(url):
+            urls.append(url)
+            ready.set()
+
+        server = asyncio.create_task(
+            serve_async(
+                [parse_spec(NAP, "nap.yaml", HERE)],
+                port=0,
+                invoker_factory=lambda config, system: local_invoker,
+                on_ready=on_ready,
+                stop=stop,
+                gateway_options=options,
+            )
+        )
+        await asyncio.wait_for(ready.wait(), 60)
+        invoke = f"{urls[0]}/workflows/nap/invoke"
+        async with aiohttp.ClientSession() as session:
+
+            async def post(event):
+                async with session.post(invoke, json=event) as r:
+                    return r.status
+
+            napper = asyncio.create_task(post({"seconds": 1.0}))
+            await asyncio.sleep(0.3)
+            second = await post({"value": 2})
+            first = await napper
+        stop.set()
+        await asyncio.wait_for(server, 30)
+        return first, second
+
+    assert asyncio.run(go()) == (200, 503)
