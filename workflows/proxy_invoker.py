@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,7 @@ class ProxyInvoker:
         self.stats_period_s = stats_period_s
         self._workflows: dict[str, _Deployed] = {}
         self._housekeeping: asyncio.Task[None] | None = None
+        self._starts: set[asyncio.Task[None]] = set()  # proxy starts in flight (`_launch`)
         self._backend: Any = None  # opened for the node's free memory, to admit proxies by it
         self._predicted: dict[str, int] = {}  # device bytes of each workflow's proxy, from its profiles
         self._footprints: dict[str, int] = {}  # the larger of that and what its proxy reported last
@@ -120,8 +121,7 @@ class ProxyInvoker:
         self._predicted[spec.name] = self._footprints[spec.name] = predicted
         admission = self._admit(spec.name)
         if not admission.evict and not admission.wait and admission.fits:
-            self._reserve(wf, admission.device)
-            await self._start(wf, admission.device)
+            await asyncio.shield(self._launch(wf, admission.device))
 
     async def pin_warm(self, workflow: str, pinned: bool) -> None:
         """Pause (True) or resume (False) the keep-alive of the workflow's proxy and its instances;
@@ -203,6 +203,8 @@ class ProxyInvoker:
             self._housekeeping.cancel()
             with contextlib.suppress(BaseException):
                 await self._housekeeping
+        if self._starts:  # let them finish, so that the proxies they start are stopped below
+            await asyncio.gather(*self._starts, return_exceptions=True)
         await asyncio.gather(*(self._stop(wf) for wf in self._workflows.values()))
         self._workflows.clear()
 
@@ -277,35 +279,52 @@ class ProxyInvoker:
         victims = [self._workflows[victim] for victim in admission.evict]
         for victim in victims:  # give their slots up and take ours with no await in between
             self.warm.remove(victim.spec.name)
-        self._reserve(wf, admission.device)
-        for victim in victims:
-            await self._stop(victim)
-        await self._start(wf, admission.device)
+        await asyncio.shield(self._launch(wf, admission.device, victims))
         return True
+
+    def _launch(self, wf: _Deployed, device: int, victims: Sequence[_Deployed] = ()) -> asyncio.Future[None]:
+        """Reserve the workflow's slot on `device` and start its proxy (stopping `victims` first) in a
+        task of its own; the returned future resolves once it serves, or with the start's error. A
+        request that stops waiting (its deadline, a drain) abandons nothing: the start goes on and
+        the next request uses the proxy (it used to leave the reservation pending for good, and
+        every later request of the workflow waited on it until its own timeout)."""
+        self._reserve(wf, device)
+        assert wf.starting is not None
+        starting = wf.starting
+        task = asyncio.get_running_loop().create_task(self._start(wf, device, victims))
+        self._starts.add(task)
+        task.add_done_callback(self._starts.discard)
+        return starting
 
     def _reserve(self, wf: _Deployed, device: int) -> None:
         """Hold the proxy's GPU slot from its admission on, busy: a concurrent admission counts it and
         cannot evict it while it starts (else a GPU gets more proxies than it allows, and a request
-        finds its proxy unregistered). `_start` launches it."""
+        finds its proxy unregistered). `_launch` does it and starts it."""
         wf.starting = asyncio.get_running_loop().create_future()
         now = time.monotonic()
         self.warm.started(wf.spec.name, device, now, self._footprints.get(wf.spec.name, 0))
         self.warm.begin(wf.spec.name, now)
 
-    async def _start(self, wf: _Deployed, device: int) -> None:
+    async def _start(self, wf: _Deployed, device: int, victims: Sequence[_Deployed]) -> None:
+        """Stop `victims`, launch the proxy; reports through `wf.starting` (never raises)."""
         assert wf.starting is not None, "_reserve first"
         name = wf.spec.name
         try:
+            for victim in victims:
+                await self._stop(victim)
             config = wf.config.with_overrides(device=device)
             wf.proxy = await asyncio.to_thread(launch_proxy, config)
             wf.client = AsyncProxyClient(wf.proxy.address)
             self.proxy_starts += 1
             self.warm.ready(name)  # its memory now shows in what the device reports
             wf.starting.set_result(None)
-        except BaseException as exc:
+        except Exception as exc:
             self.warm.remove(name)
             wf.starting.set_exception(exc)
             wf.starting.exception()  # retrieved: waiters re-raise it
+        except BaseException:  # cancelled (the loop is closing): waiters are cancelled too
+            self.warm.remove(name)
+            wf.starting.cancel()
             raise
         finally:
             wf.starting = None

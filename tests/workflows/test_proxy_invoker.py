@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import textwrap
+from collections.abc import AsyncIterator
+
+import pytest
 
 from streambox.config import Config
 from streambox.workflows import Engine, parse_spec
@@ -172,18 +176,27 @@ def test_proxies_are_admitted_by_the_gpus_free_memory_and_the_prediction_matches
         job.close()
 
 
+@contextlib.asynccontextmanager
+async def _one_slot(tmp_path) -> AsyncIterator[ProxyInvoker]:
+    """A proxy invoker with one GPU slot and workflows `a` (started at its deploy) and `b` deployed."""
+    (tmp_path / "invoker_test_handlers.py").write_text(HANDLERS)
+    config = Config.from_env().with_overrides(state_dir=tmp_path / "state")
+    invoker = ProxyInvoker(config, max_proxies_per_device=1, proxy_options={"prefork": 0})
+    try:
+        for name in ("a", "b"):
+            await invoker.deploy(_spec(name, tmp_path))
+        yield invoker
+    finally:
+        await invoker.close()
+
+
 def test_a_proxy_is_not_evicted_between_the_calls_of_a_request(tmp_path):
     """One slot. `a`'s request has made its key and not yet read it: its proxy is idle between the
     calls, but a request of `b` must wait for the slot until `a`'s request ends, not evict `a` (whose
     store holds the key: the next call would wait for it in vain)."""
-    (tmp_path / "invoker_test_handlers.py").write_text(HANDLERS)
-    config = Config.from_env().with_overrides(state_dir=tmp_path / "state")
 
     async def scenario() -> None:
-        invoker = ProxyInvoker(config, max_proxies_per_device=1, proxy_options={"prefork": 0})
-        try:
-            for name in ("a", "b"):
-                await invoker.deploy(_spec(name, tmp_path))
+        async with _one_slot(tmp_path) as invoker:
             made = await invoker.invoke("a", "make", {"scale": 1}, "r-a")
             other = asyncio.ensure_future(invoker.invoke("b", "make", {"scale": 1}, "r-b"))
             await asyncio.sleep(0.5)
@@ -194,7 +207,26 @@ def test_a_proxy_is_not_evicted_between_the_calls_of_a_request(tmp_path):
             await asyncio.wait_for(other, 60)
             assert invoker.warm.warm() == ["b"]
             await invoker.end_request("b", "r-b")
-        finally:
-            await invoker.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_gives_up_while_its_proxy_starts_abandons_nothing(tmp_path):
+    """One slot, `a` warm and idle. `b`'s first request gives up (its deadline) while `a` is being
+    stopped for `b`'s proxy: the start goes on in the invoker's own task, and `b`'s next request is
+    served by that proxy (the reservation used to stay pending for good: every later request of `b`
+    waited on it until its own timeout), started once."""
+
+    async def scenario() -> None:
+        async with _one_slot(tmp_path) as invoker:
+            assert invoker.warm.warm() == ["a"] and invoker.proxy_starts == 1  # `b` did not fit
+            await invoker.invoke("a", "make", {"scale": 1}, "r-a")
+            await invoker.end_request("a", "r-a")
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(invoker.invoke("b", "make", {"scale": 1}, "r-b1"), 0.05)
+            made = await asyncio.wait_for(invoker.invoke("b", "make", {"scale": 1}, "r-b2"), 60)
+            assert made.output["key"].startswith("b/r-b2/")
+            assert invoker.warm.warm() == ["b"] and invoker.proxy_starts == 2
+            await invoker.end_request("b", "r-b2")
 
     asyncio.run(scenario())
