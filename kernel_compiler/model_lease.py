@@ -45,11 +45,12 @@ def _open(version_dir: Path) -> int:
     return os.open(version_dir / LEASE_FILE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
 
 
-def _shared(version_dir: Path) -> int:
-    """A descriptor holding a shared lease on `version_dir` (raises `OSError`, leaving nothing open)."""
+def _shared(version_dir: Path, wait: bool = True) -> int:
+    """A descriptor holding a shared lease on `version_dir` (raises `OSError`, leaving nothing open;
+    `wait=False`: `BlockingIOError` at once while a remover holds it)."""
     fd = _open(version_dir)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        fcntl.flock(fd, fcntl.LOCK_SH if wait else fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BaseException:
         os.close(fd)
         raise
@@ -72,26 +73,21 @@ def hold(version_dir: Path) -> None:
             log.info("no lease on %s (%s): `models remove` will not see it in use", key, error)
 
 
-def _own_lease(key: Path) -> int | None:
-    """Close this process's own lease on `key` (its removal is the process's own choice)."""
+def _drop_own_lease(key: Path) -> bool:
+    """Close this process's own lease on `key`, if it holds one (its removal is its own choice)."""
     with _held_lock:
         fd = _held.pop(key, None)
-    if fd is not None and fd != _NO_LEASE:
-        os.close(fd)
-        return fd
-    return None
+    if fd is None or fd == _NO_LEASE:
+        return False
+    os.close(fd)
+    return True
 
 
 def _restore(key: Path) -> None:
     """Take this process's shared lease on `key` back, not waiting (a remover may hold it now)."""
     try:
-        fd = _open(key)
+        fd = _shared(key, wait=False)
     except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
         return
     with _held_lock:
         _held[key] = fd
@@ -110,7 +106,7 @@ def exclusive(versions: Sequence[tuple[str, Path]]) -> Iterator[set[str]]:
     try:
         for ref, version_dir in versions:
             key = _key(version_dir)
-            if _own_lease(key) is not None:
+            if _drop_own_lease(key):
                 set_aside.append(key)
             try:
                 fd = _open(key)
