@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from streambox.sdk import GET_TIMEOUT_S
+from streambox.sdk import GET_TIMEOUT_S, error_type_of
 
 from . import wire
 from .channel import ClientChannel
@@ -355,7 +355,7 @@ def serve(
             except Exception as late:  # noqa: BLE001 - reported with the handler's own error
                 exc.add_note(f"also: {type(late).__name__}: {late}")
             text = "".join(traceback.format_exception(exc))
-            reply = wire.pack([wire.RESULT, invocation_id, False, [type(exc).__name__, str(exc), text]])
+            reply = wire.pack([wire.RESULT, invocation_id, False, [error_type_of(exc), str(exc), text]])
         channel.send(reply)
 
 

@@ -41,8 +41,15 @@ class InvalidInput(ValueError):
     """Raise it from a handler when the event, the caller's input, is wrong (an image that does not
     decode, a field of the wrong type): the gateway answers 400 with its message, not 500 (which
     says the function failed). It fails the request as any error does; only the HTTP status and
-    `RequestResult.error_type` tell it apart. Raise this class itself: its name is what crosses the
-    process boundary, so a subclass is an ordinary error (500)."""
+    `RequestResult.error_type` tell it apart. A subclass counts as this class (`error_type_of`): its
+    own name is in the traceback the caller gets."""
+
+
+def error_type_of(error: BaseException) -> str:
+    """The `error_type` a handler's failure is reported under, wherever it ran: its class's name, but
+    `InvalidInput` for any subclass of it, since that name is what tells the gateway (in another
+    process) that the caller's input was wrong."""
+    return InvalidInput.__name__ if isinstance(error, InvalidInput) else type(error).__name__
 
 
 @runtime_checkable

@@ -46,6 +46,7 @@ from streambox.comm.store_protocol import check_put_args
 from streambox.config import Config
 from streambox.device import Runtime, Stream
 from streambox.kernel_compiler.plan import KernelPlan
+from streambox.sdk import error_type_of
 
 from .handlers import resolve_handler
 from .instance_batching import BatchRun, InferCounts, InstanceContext
@@ -256,7 +257,7 @@ class _InstanceWorkflow(_LocalWorkflow):
 
 
 def _error(error: BaseException) -> dict[str, Any]:
-    return {"error_type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
+    return {"error_type": error_type_of(error), "message": str(error), "traceback": traceback.format_exc()}
 
 
 class Instance:

@@ -142,6 +142,13 @@ def test_outputs_must_be_json(make_invoker, run):
     )
 
 
+def test_a_subclass_of_invalid_input_is_reported_as_invalid_input(make_invoker, run):
+    text = "name: r\nslo_ms: 10\nfunctions:\n  check: {handler: wf_test_handlers:refuse}\n"
+    (result,) = run(run_once(make_invoker(), spec_of(text), {"tag": "z"}))
+    assert result.error_type == "InvalidInput"  # the gateway's 400, as for the class itself
+    assert result.error == "check failed: InvalidInput: tag 'z' is not one of 'a', 'b'"
+
+
 SLOW = """
 name: slow
 slo_ms: 100

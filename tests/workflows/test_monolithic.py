@@ -49,6 +49,9 @@ HANDLERS = textwrap.dedent(
             ctx.put(ctx.key("data"), ctx.upload(torch.arange(event["n"], dtype=torch.float32)), consumers=1)
         if do == "raise":
             raise ValueError("bad input")
+        if do == "refuse":  # a handler's own kind of refusal crosses as InvalidInput (the gateway's 400)
+            import streambox
+            raise type("BadN", (streambox.InvalidInput,), {})("n must be positive")
         if do == "sleep":
             time.sleep(event["s"])
         if do == "exit":
@@ -172,6 +175,9 @@ def test_instances_are_processes_keys_cross_them_through_redis_and_failures_stay
             with pytest.raises(InvocationError, match="bad input") as raised:
                 await invoker.invoke("mono", "act", {"do": "raise"}, "r3")
             assert raised.value.error_type == "ValueError" and "Traceback" in (raised.value.traceback or "")
+            with pytest.raises(InvocationError, match="n must be positive") as refused:
+                await invoker.invoke("mono", "act", {"do": "refuse"}, "r3b")
+            assert refused.value.error_type == "InvalidInput" and "BadN" in (refused.value.traceback or "")
             assert invoker.memory_breakdown()["instances"] == 2
             assert invoker.memory_breakdown()["mps_clients"] == 2  # each runtime holds an MPS share
 

@@ -22,7 +22,7 @@ HANDLERS = textwrap.dedent(
     def make(ctx, event):
         h = ctx.upload(torch.arange(6, dtype=torch.float32) * event.get("scale", 1))
         ctx.put(ctx.key("x"), h, consumers=1)
-        return {"key": ctx.key("x")}
+        return {"key": ctx.key("x"), "refuse": event.get("refuse", False)}
 
     @streambox.function
     def total(ctx, event):
@@ -30,6 +30,8 @@ HANDLERS = textwrap.dedent(
 
     @streambox.function
     def fail(ctx, event):
+        if event.get("refuse"):  # a handler's own kind of refusal: the caller's input is wrong
+            raise type("BadScale", (streambox.InvalidInput,), {})("scale must be positive")
         raise RuntimeError("no luck")
     """
 )
@@ -71,7 +73,9 @@ def test_engine_runs_workflows_through_proxies_with_at_most_one_warm_per_gpu(tmp
             failed = await engine.run("two", {})  # the GPU's one slot: `one` is evicted
             assert invoker.warm.warm() == ["two"]
             assert failed.status == "error" and failed.failed_call == "total"
-            assert "RuntimeError: no luck" in failed.error
+            assert "RuntimeError: no luck" in failed.error and failed.error_type == "RuntimeError"
+            refused = await engine.run("two", {"refuse": True})  # a subclass crosses as InvalidInput
+            assert refused.error_type == "InvalidInput" and "scale must be positive" in refused.error
 
             back = await engine.run("one", {"scale": 1})
             assert back.ok and back.cold_starts == 2  # a fresh proxy

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+import streambox
+
 _lock = threading.Lock()
 _running: dict[str, int] = {}
 peaks: dict[str, int] = {}
@@ -119,3 +121,11 @@ def handle_kinds(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
         "sum": float(ctx.download(wire).sum()),
         "refused": refused,
     }
+
+
+class BadTag(streambox.InvalidInput):
+    """A handler's own kind of refusal: still the caller's fault (400)."""
+
+
+def refuse(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
+    raise BadTag(f"tag {event.get('tag')!r} is not one of 'a', 'b'")
