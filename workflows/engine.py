@@ -270,9 +270,9 @@ class _Run:
 
     def _event(self, function: str, item: Any) -> dict[str, Any]:
         event = dict(item) if isinstance(item, dict) else {"value": item}
-        params = self.wf.spec.functions[function].params
-        if params:
-            event["params"] = params
+        # The function's YAML params, always: a caller's own "params" key must not reach the handler
+        # as its author's settings (an image size, a box limit) that nothing else bounds.
+        event["params"] = dict(self.wf.spec.functions[function].params)
         return event
 
     def _launch(self, function: str, item: Any, path: Path, after: CallRecord | None) -> None:

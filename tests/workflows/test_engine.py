@@ -94,6 +94,20 @@ edges:
     }
 
 
+def test_a_callers_params_never_reach_the_handler(make_invoker, run):
+    """`params` are the workflow author's settings (image sizes, limits): a caller's event cannot set
+    them, whether the YAML gives the function params or none."""
+    text = (
+        "name: p\nslo_ms: 10\nfunctions:\n  plain: {handler: wf_test_handlers:echo}\n"
+        "  tuned: {handler: wf_test_handlers:echo, params: {image_size: 64}}\n"
+    )
+    sneaky = {"image": "x", "params": {"image_size": 1_000_000}}
+    (result,) = run(run_once(make_invoker(), spec_of(text), sneaky))
+    assert result.ok, result.error
+    assert result.output["plain"]["event"] == {"image": "x", "params": {}}
+    assert result.output["tuned"]["event"] == {"image": "x", "params": {"image_size": 64}}
+
+
 def test_a_failing_function_fails_only_its_request(make_invoker, run):
     spec = spec_of(FAN.replace("square: {", "square: {params: {bad: 2}, "))
     bad, good = run(run_once(make_invoker(), spec, {"count": 4}, {"count": 2}))
