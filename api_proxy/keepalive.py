@@ -11,7 +11,10 @@
   instead). The paper's "each GPU can handle up to 3 concurrent inference workflows" (section 8)
   is a consequence of its 16 GB and its proxies' size, not a rule: an optional count cap
   (`max_per_device`; `PAPER_PROXIES_PER_DEVICE` reproduces the paper's) applies on top. Idle
-  proxies expire after `keep_alive_s`.
+  proxies expire after `keep_alive_s`. No workflow starves behind busy ones: once a workflow has
+  waited `yield_after_s` for room on a GPU, every proxy there that has been warm that long `yields`,
+  i.e. takes no new requests (those it has finish) until the waiter is admitted; a proxy's turn
+  counts from its start.
 
 Both can be pinned: a replay deploys several workflows before its clock starts, and a deploy takes
 seconds, longer than a time-compressed keep-alive; pinned, nothing expires until the warm-up ends.
@@ -27,6 +30,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 DEFAULT_KEEP_ALIVE_S = 600.0
+#: How long a workflow waits for room on a GPU before the proxies there take no new requests: long
+#: against a proxy's start (seconds), so that busy workflows sharing too small a GPU take turns of
+#: several requests each rather than paying a start per request.
+DEFAULT_YIELD_AFTER_S = 5.0
+#: A waiter that has not asked again for this long gave up (its request ended): it is forgotten.
+WAITER_TTL_S = 0.5
+#: A proxy that has just started is not evicted before the request that started it has begun on it,
+#: or for this long if that request gave up meanwhile.
+START_GRACE_S = 1.0
 #: The paper's warm GPU runtimes per GPU (section 8), as an optional cap: `WarmProxies(max_per_device=...)`.
 PAPER_PROXIES_PER_DEVICE = 3
 
@@ -158,6 +170,15 @@ class _Proxy:
     ready: bool = False  # its memory shows in what the device reports (until then: `footprint`)
     inflight: int = 0
     pinned: bool = False
+    turn_since: float = 0.0  # when its turn on the GPU began (its start)
+    served: bool = False  # a request has begun on it (not only its start's reservation)
+
+
+@dataclass
+class _Waiter:
+    device: int
+    since: float  # first told to wait
+    asked: float  # last told to wait (a waiter that stops asking is gone)
 
 
 @dataclass
@@ -167,11 +188,15 @@ class WarmProxies:
     devices: int = 1
     max_per_device: int | None = None
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+    yield_after_s: float = DEFAULT_YIELD_AFTER_S
     _proxies: dict[Hashable, _Proxy] = field(default_factory=dict)
+    _waiting: dict[Hashable, _Waiter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.devices < 1 or (self.max_per_device is not None and self.max_per_device < 1):
             raise ValueError("devices and max_per_device must be >= 1")
+        if self.yield_after_s < 0:
+            raise ValueError(f"yield_after_s must be >= 0, got {self.yield_after_s}")
 
     def warm(self, device: int | None = None) -> list[Hashable]:
         return [k for k, p in self._proxies.items() if device is None or p.device == device]
@@ -217,7 +242,9 @@ class WarmProxies:
                 return Admission(device)
         device = order[0] if free is not None else min(range(self.devices), key=lambda d: (counts[d], d))
         idle = sorted(
-            (p.last_used, k) for k, p in self._proxies.items() if p.device == device and p.inflight == 0
+            (p.last_used, k)
+            for k, p in self._proxies.items()
+            if p.device == device and p.inflight == 0 and (p.served or now - p.last_used >= START_GRACE_S)
         )
         victims: list[Hashable] = []
         freed = 0
@@ -227,23 +254,47 @@ class WarmProxies:
             if has_room(device, len(victims), freed):
                 return Admission(device, evict=tuple(victims))
         if counts[device] > len(victims):  # busy proxies hold the rest: one of them will finish
+            self._note_waiting(key, device, now)
             return Admission(device, wait=True)
         return Admission(device, evict=tuple(victims), fits=False)
 
+    def _note_waiting(self, key: Hashable, device: int, now: float) -> None:
+        waiter = self._waiting.get(key)
+        if waiter is None or now - waiter.asked > WAITER_TTL_S or waiter.device != device:
+            self._waiting[key] = _Waiter(device, now, now)
+        else:
+            waiter.asked = now
+
+    def yields(self, key: Hashable, now: float) -> bool:
+        """Whether `key`'s warm proxy should take no new request now: a workflow still asking has
+        waited `yield_after_s` for room on its GPU, and this proxy's turn has lasted as long."""
+        p = self._proxies.get(key)
+        if p is None or now - p.turn_since < self.yield_after_s:
+            return False
+        return any(
+            w.device == p.device and now - w.since >= self.yield_after_s and now - w.asked <= WAITER_TTL_S
+            for k, w in self._waiting.items()
+            if k != key
+        )
+
     def started(self, key: Hashable, device: int, now: float, footprint: int = 0) -> None:
-        """`key`'s proxy holds its place on `device` from now (starting, not yet `ready`)."""
+        """`key`'s proxy holds its place on `device` from now (starting, not yet `ready`); its turn
+        begins, and it waits no more."""
         count = sum(p.device == device for p in self._proxies.values())
         if self.max_per_device is not None and count >= self.max_per_device:
             raise RuntimeError(f"device {device} already has {self.max_per_device} warm proxies")
-        self._proxies[key] = _Proxy(device, now, footprint)
+        self._proxies[key] = _Proxy(device, now, footprint, turn_since=now)
+        self._waiting.pop(key, None)
 
     def ready(self, key: Hashable) -> None:
         """`key`'s proxy has started: its memory now shows in what the device reports free."""
         if key in self._proxies:
             self._proxies[key].ready = True
 
-    def begin(self, key: Hashable, now: float) -> None:
+    def begin(self, key: Hashable, now: float, reservation: bool = False) -> None:
+        """A request (or, `reservation`, the proxy's own start) holds `key`'s proxy busy until `end`."""
         p = self._proxies[key]
+        p.served = p.served or not reservation
         p.inflight += 1
         p.last_used = now
 

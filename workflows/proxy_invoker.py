@@ -12,7 +12,9 @@
   the larger of that and what it last reported), ties to the GPU with fewer warm proxies, then the
   lowest index. Where none fits, the longest-idle proxies there are evicted first; idle ones stop
   after `keep_alive_s`. A proxy is busy from a request's first call until the request ends, between
-  its calls too: the keys its functions PUT for the next ones live in that proxy's store.
+  its calls too: the keys its functions PUT for the next ones live in that proxy's store. A workflow
+  waiting for room does not starve behind busy ones: after `yield_after_s` they yield
+  (`WarmProxies.yields`: no new requests until the waiter is in).
   `max_proxies_per_device` adds a count cap (the paper's 3: `keepalive.PAPER_PROXIES_PER_DEVICE`);
   default none. `placement()` and each proxy's `stats`
   (`device.index`) say where each one runs.
@@ -32,7 +34,7 @@ from typing import Any
 from streambox.api_proxy.control import AsyncProxyClient, ProxyProcess, launch_proxy
 from streambox.api_proxy.errors import FunctionFailed, FunctionTimeout, ProxyError
 from streambox.api_proxy.function_spec import ProxyFunction
-from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, Admission, WarmProxies
+from streambox.api_proxy.keepalive import DEFAULT_KEEP_ALIVE_S, DEFAULT_YIELD_AFTER_S, Admission, WarmProxies
 from streambox.api_proxy.proxy_config import ProxyConfig
 from streambox.config import Config
 from streambox.phases import COLD_START, DEVICE_WAIT, QUEUE
@@ -75,6 +77,25 @@ class _Deployed:
     # Requests with a call on the running proxy, until `end_request`: their keys live in its store,
     # so it counts as busy between their calls too and is never evicted under them.
     requests: set[str] = field(default_factory=set)
+    # Held by the one request that asks for room on a GPU while the others of the workflow wait on
+    # it (each asking would read the node's memory 100 times a second: hundreds of waiting requests
+    # saturated the event loop).
+    admitting: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(frozen=True)
+class _Detached:
+    """A proxy taken off its workflow, to be stopped."""
+
+    client: AsyncProxyClient | None
+    proxy: ProxyProcess | None
+
+
+async def _shut(detached: _Detached) -> None:
+    if detached.client is not None:
+        detached.client.close()
+    if detached.proxy is not None:
+        await asyncio.to_thread(detached.proxy.stop)
 
 
 class ProxyInvoker:
@@ -87,6 +108,7 @@ class ProxyInvoker:
         system: str = "streambox",
         max_proxies_per_device: int | None = None,
         keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+        yield_after_s: float = DEFAULT_YIELD_AFTER_S,
         stats_period_s: float = 1.0,
         proxy_options: dict[str, Any] | None = None,
     ) -> None:
@@ -94,7 +116,7 @@ class ProxyInvoker:
         self.system = system
         self.proxy_options = dict(proxy_options or {})
         self.proxy_options.setdefault("keep_alive_s", keep_alive_s)
-        self.warm = WarmProxies(self.config.gpus, max_proxies_per_device, keep_alive_s)
+        self.warm = WarmProxies(self.config.gpus, max_proxies_per_device, keep_alive_s, yield_after_s)
         self.stats_period_s = stats_period_s
         self._workflows: dict[str, _Deployed] = {}
         self._housekeeping: asyncio.Task[None] | None = None
@@ -150,7 +172,7 @@ class ProxyInvoker:
         wf = deployed(self._workflows, workflow)
         fn_timeout = wf.config.function(function).timeout_s
         limit = fn_timeout if timeout_s is None else min(fn_timeout, timeout_s)
-        proxy_cold = await self._ensure_proxy(wf)
+        proxy_cold = await self._ensure_proxy(wf, new_request=request_id not in wf.requests)
         proxy_start_s = time.perf_counter() - started if proxy_cold else 0.0
         client = wf.client
         assert client is not None
@@ -262,27 +284,36 @@ class ProxyInvoker:
                     self._footprints[name] = max(self._predicted.get(name, 0), measured)
 
     # -- proxies ---------------------------------------------------------------------------------
-    async def _ensure_proxy(self, wf: _Deployed) -> bool:
-        """Make the workflow's proxy warm; True if it had to be started for this call."""
+    async def _ensure_proxy(self, wf: _Deployed, new_request: bool = False) -> bool:
+        """Make the workflow's proxy warm; True if it had to be started for this call. A request's
+        first call waits while the proxy `yields` (its turn is over and another workflow has waited
+        as long for room on its GPU): its requests in flight finish, it goes idle, the waiter evicts
+        it, and this request asks for room again like any other."""
         while True:  # checked again after each wait: another request may have started it meanwhile
             if wf.client is not None and wf.proxy is not None and wf.proxy.alive:
-                return False
+                if not (new_request and self.warm.yields(wf.spec.name, time.monotonic())):
+                    return False
+                await asyncio.sleep(0.01)
+                continue
             if wf.starting is None and wf.proxy is not None:  # it died: forget it, start a new one
                 await self._stop(wf)
             if wf.starting is not None:
                 await asyncio.shield(wf.starting)
                 return True
-            admission = self._admit(wf.spec.name)
-            if not admission.wait:
-                break
-            await asyncio.sleep(0.01)  # every proxy on that GPU is busy: wait for one to go idle
-        victims = [self._workflows[victim] for victim in admission.evict]
-        for victim in victims:  # give their slots up and take ours with no await in between
-            self.warm.remove(victim.spec.name)
-        await asyncio.shield(self._launch(wf, admission.device, victims))
-        return True
+            async with wf.admitting:  # one request of the workflow asks for room; the others wait here
+                while wf.client is None and wf.starting is None:
+                    admission = self._admit(wf.spec.name)
+                    if not admission.wait:
+                        # Give the victims' slots up and take ours with no await in between; a victim is
+                        # detached at once (its next request starts or waits for a proxy of its own,
+                        # and never calls into the one being stopped, whose slot is gone), its process
+                        # stopped by the start's task.
+                        victims = [self._detach(self._workflows[victim]) for victim in admission.evict]
+                        self._launch(wf, admission.device, victims)
+                        break
+                    await asyncio.sleep(0.01)  # every proxy on that GPU is busy: wait for one to go idle
 
-    def _launch(self, wf: _Deployed, device: int, victims: Sequence[_Deployed] = ()) -> asyncio.Future[None]:
+    def _launch(self, wf: _Deployed, device: int, victims: Sequence[_Detached] = ()) -> asyncio.Future[None]:
         """Reserve the workflow's slot on `device` and start its proxy (stopping `victims` first) in a
         task of its own; the returned future resolves once it serves, or with the start's error. A
         request that stops waiting (its deadline, a drain) abandons nothing: the start goes on and
@@ -303,15 +334,15 @@ class ProxyInvoker:
         wf.starting = asyncio.get_running_loop().create_future()
         now = time.monotonic()
         self.warm.started(wf.spec.name, device, now, self._footprints.get(wf.spec.name, 0))
-        self.warm.begin(wf.spec.name, now)
+        self.warm.begin(wf.spec.name, now, reservation=True)
 
-    async def _start(self, wf: _Deployed, device: int, victims: Sequence[_Deployed]) -> None:
+    async def _start(self, wf: _Deployed, device: int, victims: Sequence[_Detached]) -> None:
         """Stop `victims`, launch the proxy; reports through `wf.starting` (never raises)."""
         assert wf.starting is not None, "_reserve first"
         name = wf.spec.name
         try:
             for victim in victims:
-                await self._stop(victim)
+                await _shut(victim)
             config = wf.config.with_overrides(device=device)
             wf.proxy = await asyncio.to_thread(launch_proxy, config)
             wf.client = AsyncProxyClient(wf.proxy.address)
@@ -332,15 +363,16 @@ class ProxyInvoker:
                 self.warm.end(name, time.monotonic())
 
     async def _stop(self, wf: _Deployed) -> None:
+        await _shut(self._detach(wf))
+
+    def _detach(self, wf: _Deployed) -> _Detached:
+        """Take the workflow's proxy off it and off the warm list (synchronously): what `_shut` stops."""
         self.warm.remove(wf.spec.name)
-        client, proxy = wf.client, wf.proxy
+        detached = _Detached(wf.client, wf.proxy)
         wf.client = wf.proxy = None
         wf.stats = {}
         wf.requests.clear()  # their keys go with the proxy
-        if client is not None:
-            client.close()
-        if proxy is not None:
-            await asyncio.to_thread(proxy.stop)
+        return detached
 
     def _ensure_housekeeping(self) -> None:
         if self._housekeeping is None or self._housekeeping.done():

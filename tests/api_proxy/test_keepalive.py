@@ -96,6 +96,43 @@ def test_busy_proxies_are_not_evicted_the_caller_waits():
     assert warm.admit("c", 4.0) == Admission(0, evict=("b",))
 
 
+def test_a_fresh_proxy_is_not_evicted_before_the_request_that_started_it_begins():
+    warm = WarmProxies(devices=1, max_per_device=1)
+    warm.started("a", 0, 0.0)
+    warm.begin("a", 0.0, reservation=True)
+    warm.end("a", 1.0)  # started; its request has not resumed yet
+    assert warm.admit("b", 1.5) == Admission(0, wait=True)
+    assert warm.admit("b", 2.0) == Admission(0, evict=("a",))  # START_GRACE_S: that request gave up
+    warm.remove("a")
+    warm.started("b", 0, 2.0)
+    warm.begin("b", 2.0, reservation=True)
+    warm.end("b", 3.0)
+    warm.begin("b", 3.1)  # its request
+    warm.end("b", 3.2)
+    assert warm.admit("a", 3.3) == Admission(0, evict=("b",))
+
+
+def test_a_waiter_makes_the_busy_proxies_of_its_gpu_yield_once_both_have_waited_their_turn():
+    warm = WarmProxies(devices=1, max_per_device=1, yield_after_s=5.0)
+    warm.started("a", 0, 0.0)
+    warm.begin("a", 0.1)  # a request that keeps `a` busy
+    for tick in range(50):  # `b` asks every 0.1 s from 1.0 on (the invoker: every 10 ms)
+        assert warm.admit("b", 1.0 + tick / 10) == Admission(0, wait=True)
+    assert not warm.yields("a", 5.9)  # `b` has waited 4.9 s
+    assert warm.admit("b", 6.0) == Admission(0, wait=True)
+    assert warm.yields("a", 6.0) and not warm.yields("b", 6.0)
+    assert not warm.yields("a", 6.6)  # `b` stopped asking (its request gave up): forgotten
+    assert warm.admit("b", 7.0) == Admission(0, wait=True)  # asks again: its wait starts over
+    assert not warm.yields("a", 7.0)
+    warm.end("a", 12.5)
+    assert warm.admit("b", 12.5) == Admission(0, evict=("a",))
+    warm.remove("a")
+    warm.started("b", 0, 12.5)
+    assert not warm.yields("b", 30.0)  # nobody waits
+    with pytest.raises(ValueError, match="yield_after_s"):
+        WarmProxies(yield_after_s=-1)
+
+
 def test_proxies_are_admitted_by_memory_with_no_count_cap():
     """Six 1 GB proxies fit a 16 GB GPU; what does not fit evicts idle ones, longest-idle first, until it
     does, waits while the rest are busy, and an empty GPU admits even what cannot fit."""

@@ -181,11 +181,11 @@ def test_proxies_are_admitted_by_the_gpus_free_memory_and_the_prediction_matches
 
 
 @contextlib.asynccontextmanager
-async def _one_slot(tmp_path) -> AsyncIterator[ProxyInvoker]:
+async def _one_slot(tmp_path, **options: float) -> AsyncIterator[ProxyInvoker]:
     """A proxy invoker with one GPU slot and workflows `a` (started at its deploy) and `b` deployed."""
     (tmp_path / "invoker_test_handlers.py").write_text(HANDLERS)
     config = Config.from_env().with_overrides(state_dir=tmp_path / "state")
-    invoker = ProxyInvoker(config, max_proxies_per_device=1, proxy_options={"prefork": 0})
+    invoker = ProxyInvoker(config, max_proxies_per_device=1, proxy_options={"prefork": 0}, **options)
     try:
         for name in ("a", "b"):
             await invoker.deploy(_spec(name, tmp_path))
@@ -232,5 +232,49 @@ def test_a_request_that_gives_up_while_its_proxy_starts_abandons_nothing(tmp_pat
             assert made.output["key"].startswith("b/r-b2/")
             assert invoker.warm.warm() == ["b"] and invoker.proxy_starts == 2
             await invoker.end_request("b", "r-b2")
+
+    asyncio.run(scenario())
+
+
+def test_a_workflow_waiting_for_the_slot_gets_its_turn_while_another_stays_busy(tmp_path):
+    """One slot; `a`'s requests overlap (a new one every 30 ms, each open for 60 ms more after its
+    calls), so its proxy never goes idle. `b` waits `yield_after_s`, then `a` takes no new request,
+    the ones it has finish and `b` is served (it used to wait until its own timeout); `a`'s waiting
+    requests are served after."""
+
+    async def scenario() -> None:
+        async with _one_slot(tmp_path, yield_after_s=0.3) as invoker:
+            served: list[str] = []
+
+            async def request(rid: str) -> None:
+                made = await invoker.invoke("a", "make", {"scale": 1}, rid)
+                await invoker.invoke("a", "total", {"key": made.output["key"]}, rid)
+                await asyncio.sleep(0.06)
+                await invoker.end_request("a", rid)
+                served.append(rid)
+
+            async def launch(stop: asyncio.Event) -> list[asyncio.Task[None]]:
+                tasks = []
+                while not stop.is_set():
+                    tasks.append(asyncio.ensure_future(request(f"r-a{len(tasks)}")))
+                    await asyncio.sleep(0.03)
+                return tasks
+
+            stop = asyncio.Event()
+            launcher = asyncio.ensure_future(launch(stop))
+            try:
+                while len(served) < 5:  # `a` is serving, its turn under way
+                    await asyncio.sleep(0.05)
+                made = await asyncio.wait_for(invoker.invoke("b", "make", {"scale": 1}, "r-b"), 20)
+                assert made.output["key"].startswith("b/r-b/"), made
+                await invoker.end_request("b", "r-b")
+                before = len(served)
+                async with asyncio.timeout(30):
+                    while len(served) < before + 3:
+                        await asyncio.sleep(0.05)
+                assert invoker.warm.warm() == ["a"] and invoker.proxy_starts == 3  # a, b, a again
+            finally:
+                stop.set()
+                await asyncio.gather(*await launcher)
 
     asyncio.run(scenario())
