@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from streambox.sdk import GET_TIMEOUT_S, error_type_of
 
 from . import wire
 from .channel import ClientChannel
-from .errors import ChannelClosed, FunctionFailed, decode_error
+from .errors import ChannelClosed, FunctionFailed, ProxyError, decode_error
 from .handles import DTYPES, Handle, handle_in_json, qualify_key, request_key
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class Future:
     def result(self, timeout: float | None = None) -> Any:
         """Wait for the reply; raises the error the proxy reported."""
         while not self.done():
-            self._client.pump(timeout)
+            self._client.pump(timeout, until=self.done)
         self._seen = True
         if self._error is not None:
             raise self._error
@@ -72,13 +73,16 @@ class Future:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         while not self.done():
-            self._client.pump(timeout)
+            self._client.pump(timeout, until=self.done)
         self._seen = True
         return self._error
 
 
 class Client:
-    """Calls and replies over one channel, and the messages that start or stop invocations."""
+    """Calls and replies over one channel, and the messages that start or stop invocations.
+
+    Thread-safe: a handler's own threads may call during its invocation. One thread at a time sends
+    and one receives; a reply resolves whichever thread's future it answers."""
 
     def __init__(self, channel: ClientChannel) -> None:
         self.channel = channel
@@ -86,16 +90,26 @@ class Client:
         self._futures: dict[int, Future] = {}
         self._settled: list[Future] = []  # resolved while nobody waited on them
         self.inbox: deque[list[Any]] = deque()  # INVOKE and STOP messages
+        self._sending = threading.Lock()
+        self._receiving = threading.Lock()
 
     def call(self, op: str, args: list[Any], convert: Callable[[Any], Any] | None = None) -> Future:
-        self._ids += 1
-        future = Future(self, self._ids, op, convert)
-        self._futures[self._ids] = future
-        self.channel.send(wire.pack([wire.CALL, self._ids, op, args]))
+        with self._sending:
+            self._ids += 1
+            data = wire.pack([wire.CALL, self._ids, op, args])
+            future = Future(self, self._ids, op, convert)
+            self._futures[self._ids] = future
+            self.channel.send(data)
         return future
 
-    def pump(self, timeout: float | None = None) -> None:
-        """Receive one message: a reply resolves its future, anything else waits in `inbox`."""
+    def pump(self, timeout: float | None = None, until: Callable[[], bool] | None = None) -> None:
+        """Receive one message: a reply resolves its future, anything else waits in `inbox`; at once
+        if `until()` holds once this thread may receive (another thread received it meanwhile)."""
+        with self._receiving:
+            if until is None or not until():
+                self._pump(timeout)
+
+    def _pump(self, timeout: float | None) -> None:
         data = self.channel.recv(timeout)
         if data is None:
             raise TimeoutError(f"no reply from the proxy within {timeout} s")
@@ -114,7 +128,7 @@ class Client:
 
     def next_message(self, timeout: float | None = None) -> list[Any]:
         while not self.inbox:
-            self.pump(timeout)
+            self.pump(timeout, until=lambda: bool(self.inbox))
         return self.inbox.popleft()
 
     def flush(self) -> None:
@@ -182,11 +196,16 @@ class ProxyContext:
     def __init__(
         self, client: Client, *, workflow: str, function: str, request_id: str, instance_id: int
     ) -> None:
-        self._client = client
+        self._client: Client | _Ended = client
         self.workflow = workflow
         self.function = function
         self.request_id = request_id
         self.instance_id = instance_id
+
+    def _end(self) -> None:
+        """The invocation is over: a call through this context (a thread the handler left running)
+        raises, instead of acting in whatever invocation the instance serves next."""
+        self._client = _Ended(self)
 
     def __repr__(self) -> str:
         return f"<ProxyContext {self.workflow}/{self.function} request={self.request_id}>"
@@ -283,6 +302,19 @@ class ProxyContext:
         self._client.call("noop", []).result()
 
 
+class _Ended:
+    """The client of a `ProxyContext` whose invocation has ended."""
+
+    def __init__(self, ctx: ProxyContext) -> None:
+        self._where = f"{ctx.workflow}/{ctx.function}, request {ctx.request_id!r}"
+
+    def call(self, op: str, args: list[Any], convert: Callable[[Any], Any] | None = None) -> Future:
+        raise ProxyError(
+            f"{op}: the invocation of this ctx ({self._where}) has ended; a thread the handler started "
+            "must finish before it returns"
+        )
+
+
 def _is_handle(obj: Any) -> bool:
     if isinstance(obj, Handle):
         return True
@@ -347,16 +379,31 @@ def serve(
         )
         try:
             output = handler(ctx, event)
+            ctx._end()
             client.flush()
             reply = _result(invocation_id, output)
         except Exception as exc:  # the handler's failure fails its request only
+            ctx._end()
             try:
                 client.flush()
             except Exception as late:  # noqa: BLE001 - reported with the handler's own error
                 exc.add_note(f"also: {type(late).__name__}: {late}")
-            text = "".join(traceback.format_exception(exc))
-            reply = wire.pack([wire.RESULT, invocation_id, False, [error_type_of(exc), str(exc), text]])
+            reply = wire.pack([wire.RESULT, invocation_id, False, _failure(exc)])
         channel.send(reply)
+
+
+#: A handler's error message and traceback, each at most this long on the wire (the rest is cut).
+MAX_ERROR_CHARS = 16_384
+
+
+def _failure(exc: Exception) -> list[str]:
+    """[error type, message, traceback] of a handler's failure, each bounded by `MAX_ERROR_CHARS`."""
+    message, text = str(exc), "".join(traceback.format_exception(exc))
+    if len(message) > MAX_ERROR_CHARS:
+        message = f"{message[:MAX_ERROR_CHARS]}... ({len(message) - MAX_ERROR_CHARS} more characters)"
+    if len(text) > MAX_ERROR_CHARS:  # its end says where it was raised
+        text = f"({len(text) - MAX_ERROR_CHARS} characters cut) ...{text[-MAX_ERROR_CHARS:]}"
+    return [error_type_of(exc), message, text]
 
 
 Context = ProxyContext  # the name it had before the SDK's `Context` protocol

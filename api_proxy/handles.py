@@ -84,12 +84,18 @@ def qualify_key(workflow: str, key: str) -> str:
     return key if "/" in key else f"{workflow}/{key}"
 
 
+#: The longest key a function may use (workflow and request prefix included).
+MAX_KEY_CHARS = 1024
+
+
 def check_key(workflow: str, key: Any, request_id: str | None = None) -> str:
     """`key` if `workflow`'s invocation of `request_id` may use it, else `IsolationError` saying whose
     it is. Keys are `<workflow>/<name>` (workflow-wide) or `<workflow>/<request id>/<name>`
     (request-scoped: only that request's invocations may use them)."""
     if not isinstance(key, str) or not key:
-        raise TypeError(f"a key must be a non-empty string, got {key!r}")
+        raise TypeError(f"a key must be a non-empty string, got {key!r:.200}")
+    if len(key) > MAX_KEY_CHARS:  # the store holds keys in host memory, beyond the quota of its bytes
+        raise ValueError(f"a key has at most {MAX_KEY_CHARS} characters, got {len(key)}: {key[:80]!r}...")
     if not key.startswith(f"{workflow}/"):
         owner = key.split("/", 1)[0] if "/" in key else "?"
         raise IsolationError(

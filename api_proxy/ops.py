@@ -176,6 +176,8 @@ def op_put(res: Resources, call: CallContext, key: Any, handle: Any, consumers: 
 def op_get(res: Resources, call: CallContext, key: Any, timeout: Any) -> Op:
     key = check_key(res.workflow, key, call.inv.request_id)
     timeout = float(timeout if timeout is not None else DEFAULT_GET_TIMEOUT_S)
+    if not 0 <= timeout < math.inf:  # a NaN deadline would never compare due: it held every later one
+        raise ValueError(f"a GET timeout is a finite number of seconds >= 0, got {timeout}")
     deadline = time.perf_counter() + timeout
     while True:  # a PUT wakes every GET of its key; one may have consumed it before this one
         value = res.take(call.inst, call.inv, key, call.device)
@@ -220,10 +222,29 @@ def op_launch(res: Resources, call: CallContext, model: Any, index: Any, buffers
         raise TypeError(f"launch binds variables to handles in a map, got {type(buffers).__name__}")
     with (yield from res.weights(plan)):
         bound = {name: res.tensor(call.inv, h) for name, h in buffers.items()}
+        for name, tensor in bound.items():
+            _check_binding(plan, index, name, tensor)
         missing = [n for n in kernel.accesses if plan.variables[n].kind != "weight" and n not in bound]
         if missing:
             raise ValueError(f"kernel {index} ({kernel.name}) of {model!r} needs buffers for {missing}")
         _launch(res, call, plan, index, bound)
+
+
+def _check_binding(plan: KernelPlan, index: int, name: Any, tensor: DeviceTensor) -> None:
+    """A bound buffer must be one of the plan's non-weight variables, with its exact dtype, shape and
+    strides: a kernel writes its outputs through them (a smaller buffer would be written past its end,
+    into other requests' memory)."""
+    spec = plan.variables.get(name) if isinstance(name, str) else None
+    where = f"kernel {index} ({plan.kernels[index].name}) of {plan.model!r}"
+    if spec is None or spec.kind == "weight":
+        raise ValueError(f"{where}: {name!r} is not one of the plan's non-weight variables, which it binds")
+    have = (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), list(tensor.strides))
+    want = (spec.dtype, list(spec.shape), list(spec.strides))
+    if have != want:
+        raise ValueError(
+            f"{where}: the buffer bound to {name!r} is {have[0]} shape {have[1]} strides {have[2]}; "
+            f"the plan's variable is {want[0]} shape {want[1]} strides {want[2]}"
+        )
 
 
 def _launch(

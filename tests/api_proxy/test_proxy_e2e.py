@@ -20,7 +20,7 @@ from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 
 HANDLERS = textwrap.dedent(
     """
-    import os, signal, time
+    import os, signal, threading, time
     import torch
     import streambox
     from streambox import Handle
@@ -60,6 +60,15 @@ HANDLERS = textwrap.dedent(
                 raw = ctx.alloc(var["nbytes"])
                 bound[name] = Handle(raw.workflow, raw.address, var["dtype"], tuple(var["shape"]),
                                      tuple(var["strides"]), var["nbytes"])
+        if event.get("overflow"):  # an output bound to a buffer smaller than the plan's variable
+            index = next(i for i, k in enumerate(plan["kernels"]) if k["kind"] != "view")
+            kernel = plan["kernels"][index]
+            tiny = ctx.alloc(shape=[1], dtype="float32")
+            try:
+                ctx.launch("resnet18", index, {**bound, kernel["outputs"][0]: tiny}).result()
+                return "accepted"
+            except Exception as exc:
+                return [type(exc).__name__, str(exc)]
         launched = 0
         for index, kernel in enumerate(plan["kernels"]):
             if kernel["kind"] != "view":
@@ -116,6 +125,56 @@ HANDLERS = textwrap.dedent(
         except Exception as exc:
             return [type(exc).__name__, str(exc)]
 
+    LEFT: dict = {}
+
+    @streambox.function
+    def threads(ctx, event):
+        if event["do"] == "fan":  # its own threads call at once during the invocation
+            out = [None] * 4
+
+            def work(i):
+                h = ctx.upload(torch.full((1000,), float(i)))
+                out[i] = float(ctx.download(h).sum())
+
+            workers = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            return out
+        if event["do"] == "leave":  # a thread that calls once the invocation has ended
+            go = LEFT["go"] = threading.Event()
+
+            def late():
+                go.wait(30)
+                try:
+                    ctx.noop()
+                    LEFT["error"] = None
+                except Exception as exc:
+                    LEFT["error"] = [type(exc).__name__, str(exc)]
+
+            LEFT["thread"] = threading.Thread(target=late)
+            LEFT["thread"].start()
+            return "left"
+        LEFT["go"].set()  # "report": the next invocation, while the left thread calls
+        LEFT["thread"].join(30)
+        return {"error": LEFT["error"], "own_call": ctx.noop() is None}
+
+    @streambox.function
+    def odd_calls(ctx, event):  # a GET that would never expire, a key longer than the limit
+        calls = (
+            lambda: ctx.get(ctx.key("x"), timeout=float("nan")),
+            lambda: ctx.put(ctx.key("k" * 2000), ctx.upload(torch.zeros(1))).result(),
+        )
+        out = []
+        for call in calls:
+            try:
+                call()
+                out.append("accepted")
+            except Exception as exc:
+                out.append([type(exc).__name__, str(exc)])
+        return out
+
     @streambox.function
     def not_json(ctx, event):
         return {"x": object()}
@@ -161,6 +220,8 @@ FUNCTIONS = (
     ProxyFunction("upload_hang", "proxy_test_handlers:upload_hang", timeout_ms=300.0),
     ProxyFunction("upload_return", "proxy_test_handlers:upload_hang"),
     ProxyFunction("reput", "proxy_test_handlers:reput", models=("resnet18",)),
+    ProxyFunction("odd_calls", "proxy_test_handlers:odd_calls"),
+    ProxyFunction("threads", "proxy_test_handlers:threads"),
 )
 
 
@@ -252,6 +313,36 @@ def test_low_level_calls_reproduce_infer(a, zoo_model):
     torch.testing.assert_close(
         torch.tensor(out["logits"]), _eager_logits(zoo_model, 11), rtol=1e-4, atol=1e-5
     )
+
+
+def test_a_handlers_threads_call_during_its_invocation_and_not_after(a):
+    """Its threads' calls share the instance's one channel; one left running after the handler
+    returned used to read that channel beside the next invocation and act in it."""
+    fan = a.client.invoke("threads", {"do": "fan"}, request_id="r-t1")["output"]
+    assert fan == [0.0, 1000.0, 2000.0, 3000.0]
+    assert a.client.invoke("threads", {"do": "leave"}, request_id="r-t2")["output"] == "left"
+    out = a.client.invoke("threads", {"do": "report"}, request_id="r-t3")["output"]
+    assert out["own_call"] and out["error"][0] == "ProxyError"
+    assert "noop: the invocation of this ctx (wfa/threads, request 'r-t2') has ended" in out["error"][1]
+
+
+def test_a_get_timeout_must_be_finite_and_a_key_short(a):
+    """A NaN GET deadline never compared due: it sat at the top of the proxy's deadline heap and held
+    every other GET's timeout behind it. Keys live in host memory, outside the store's byte quota."""
+    (nan, nan_message), (long, long_message) = a.client.invoke("odd_calls", {}, request_id="r-odd")["output"]
+    assert nan == long == "ValueError"
+    assert "a GET timeout is a finite number of seconds >= 0, got nan" in nan_message
+    assert "a key has at most 1024 characters, got 2" in long_message
+
+
+def test_a_launch_refuses_a_buffer_unlike_the_plans_variable(a, zoo_model):
+    """Kernel outputs are written through the bound buffers: one smaller than the variable used to be
+    written past its end, into other requests' memory (and crash the proxy)."""
+    kind, message = a.client.invoke("by_kernels", {"seed": 11, "overflow": True}, request_id="r-of")["output"]
+    assert kind == "ValueError" and "float32 shape [1] strides [1]; the plan's variable is float32" in message
+    out = a.client.invoke("by_kernels", {"seed": 11}, request_id="r-of2")["output"]
+    expected = _eager_logits(zoo_model, 11)
+    torch.testing.assert_close(torch.tensor(out["logits"]), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_several_instances_of_a_function_run_at_once_on_their_own_streams(a):

@@ -85,3 +85,17 @@ def test_errors_cross_the_wire_structured():
     assert isinstance(got, FunctionFailed)
     assert got.fields == {"error_type": "ValueError", "message": "bad"}
     assert decode_error(["KeyNotFound", "GET 'k'"]).fields == {}  # the two-field form still decodes
+
+
+def test_a_handlers_failure_is_bounded_on_the_wire():
+    """A 30 MB message used to cross three times (error, message, traceback) into a 90 MB body."""
+    from streambox.api_proxy.client import MAX_ERROR_CHARS, _failure
+    from streambox.sdk import InvalidInput
+
+    try:
+        raise InvalidInput("x" * (3 * MAX_ERROR_CHARS))
+    except InvalidInput as exc:
+        kind, message, text = _failure(exc)
+    assert kind == "InvalidInput"
+    assert message.startswith("x" * 100) and message.endswith(f"... ({2 * MAX_ERROR_CHARS} more characters)")
+    assert len(text) < MAX_ERROR_CHARS + 100 and text.startswith("(") and "characters cut" in text
