@@ -74,7 +74,13 @@ def op_infer(res: Resources, call: CallContext, model: str, inputs: list[Any]) -
         raise ValueError(f"model {model!r} takes {len(plan.inputs)} input(s) {plan.inputs}, got {given}")
     # Nothing is issued before the plan and the weights are at hand.
     shape = _input_shape(inputs[0])
-    if len(shape) >= 1 and shape != tuple(plan.variables[plan.inputs[0]].shape):
+    usual = tuple(plan.variables[plan.inputs[0]].shape)
+    if len(shape) >= 1 and shape != usual:
+        if len(shape) != len(usual) or min(shape) < 1:
+            raise ValueError(
+                f"model {model!r} takes inputs of {len(usual)} dimensions, each >= 1 (its usual shape "
+                f"{list(usual)}), got shape {list(shape)}"
+            )
         # Another batch size or input shape: that plan (read or lowered once), sharing the weights.
         plan = yield from res.plan_for(model, shape[0], shape[1:])
     with (yield from res.weights(plan)):

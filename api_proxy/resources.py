@@ -43,6 +43,9 @@ from .state import Instance, Invocation
 from .waits import Offload, Wait
 
 PlanKey = tuple[str, int, tuple[int, ...]]
+#: Plans (batch, input shape) a proxy holds or lowers per model: each new shape costs seconds of CPU
+#: and a plan in the shared model pool, so a function cannot make it lower without end.
+MAX_PLANS_PER_MODEL = 64
 
 
 def torch_dtype(name: Any) -> torch.dtype:
@@ -90,6 +93,7 @@ class Resources:
         self.service = runtime.create_stream()  # frees of buffers that outlive their holders
         self.plans: dict[PlanKey, KernelPlan] = {}
         self.lowerings: dict[PlanKey, Future[KernelPlan]] = {}
+        self.failed_lowerings: dict[PlanKey, str] = {}  # deterministic: not lowered again
         # Work the dispatcher must not wait for: plans read or lowered, weights issued by the daemon.
         self._lower_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="streambox-lower")
         self._wait_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="streambox-issue")
@@ -144,8 +148,18 @@ class Resources:
         plan = self.plans.get(key)
         if plan is not None:
             return plan
+        if key in self.failed_lowerings:
+            raise ValueError(self.failed_lowerings[key])
         future = self.lowerings.get(key)
         if future is None:
+            groups = (self.plans, self.lowerings, self.failed_lowerings)
+            held = sum(k[0] == model for group in groups for k in group)
+            if held >= MAX_PLANS_PER_MODEL:
+                raise ValueError(
+                    f"model {model!r} has plans for {held} (batch, input shape) pairs in this proxy, "
+                    f"the limit (MAX_PLANS_PER_MODEL); batch {batch}, shape {list(shape)} would be "
+                    "another: resize the inputs to a shape already used"
+                )
             future = self._lower_pool.submit(self.model_pool.get_or_lower, model, batch, shape)
             self.lowerings[key] = future
             future.add_done_callback(lambda f: self._post(lambda: self._lowered(key, f)))
@@ -156,9 +170,15 @@ class Resources:
 
     def _lowered(self, key: PlanKey, future: Future[KernelPlan]) -> None:
         if self.lowerings.get(key) is future:
-            del self.lowerings[key]  # a failed one is tried again by the next call that wants it
-        if future.exception() is None:
+            del self.lowerings[key]
+        error = future.exception()
+        if error is None:
             self.plans.setdefault(key, future.result())
+        elif not isinstance(error, OSError):  # the model refuses the shape: it would again
+            model, batch, shape = key
+            why = f"{type(error).__name__}: {str(error)[:2000]}"
+            where = f"{model!r} for batch {batch}, shape {list(shape)}"
+            self.failed_lowerings[key] = f"cannot lower {where}; {why}"
 
     def weights(self, plan: KernelPlan) -> Generator[Wait, Any, _Held]:
         """Wait (off the dispatcher) until the weights of `plan` are resident and issued by the daemon;

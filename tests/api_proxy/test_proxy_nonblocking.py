@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from streambox.api_proxy import resources
 from streambox.api_proxy.control import ProxyClient, control_address
 from streambox.api_proxy.errors import FunctionCrashed, FunctionFailed
 from streambox.api_proxy.proxy import ProxyServer
@@ -46,6 +47,8 @@ HANDLERS = textwrap.dedent(
     def classify(ctx, event):
         g = torch.Generator().manual_seed(event["seed"])
         x = torch.randn(1, 3, event["size"], event["size"], generator=g)
+        if event.get("flat"):  # a rank the model does not take
+            x = x.reshape(1, -1)
         (logits,) = ctx.infer("resnet18", x)
         return {"logits": ctx.download(logits).flatten().tolist(), "instance": ctx.instance_id}
 
@@ -142,7 +145,7 @@ def _invoke(server: ProxyServer, function: str, event: Any, request_id: str) -> 
 
 
 def test_a_new_shape_is_lowered_off_the_dispatcher_once_for_every_call_that_wants_it(
-    served, tmp_path, zoo_model
+    served, tmp_path, zoo_model, monkeypatch
 ):
     server, client = served
     client.invoke("noop", {}, request_id="warm")
@@ -187,16 +190,28 @@ def test_a_new_shape_is_lowered_off_the_dispatcher_once_for_every_call_that_want
     assert len(gate.calls) == 1
 
     # A lowering that fails fails the calls that wanted it, naming the model and shape; the instance
-    # stays warm, and a later call tries again.
+    # stays warm, and a later call fails at once (the model refuses that shape: it is not lowered
+    # again, at seconds of CPU each time).
     with pytest.raises(
         FunctionFailed,
         match=r"lowering resnet18 for batch 1, input shape 3x44x44 failed: "
         r"RuntimeError: this lowering fails on purpose",
     ):
         client.invoke("classify", {"seed": 1, "size": 44}, request_id="bad")
-    with pytest.raises(FunctionFailed, match="3x44x44 failed"):
+    with pytest.raises(
+        FunctionFailed,
+        match=r"cannot lower 'resnet18' for batch 1, shape \[3, 44, 44\]; RuntimeError: this lowering fails",
+    ):
         client.invoke("classify", {"seed": 1, "size": 44}, request_id="bad-again")
-    assert gate.calls[1:] == [("resnet18", 1, (3, 44, 44))] * 2
+    assert gate.calls[1:] == [("resnet18", 1, (3, 44, 44))]
+    # A rank the model does not take is refused before any lowering; past MAX_PLANS_PER_MODEL plans
+    # of a model (the usual one, 40 and the failed 44 make 3 here) a new shape is refused too.
+    with pytest.raises(FunctionFailed, match=r"takes inputs of 4 dimensions, each >= 1 .* shape \[1, 3072\]"):
+        client.invoke("classify", {"seed": 1, "size": 32, "flat": True}, request_id="flat")
+    monkeypatch.setattr(resources, "MAX_PLANS_PER_MODEL", 3)
+    with pytest.raises(FunctionFailed, match=r"has plans for 3 \(batch, input shape\) pairs in this proxy"):
+        client.invoke("classify", {"seed": 1, "size": 48}, request_id="one-more")
+    assert len(gate.calls) == 2
     assert (
         client.invoke("classify", {"seed": 3, "size": 32}, request_id="after")["output"]["logits"]
         == (old["output"]["logits"])
