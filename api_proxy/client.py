@@ -382,7 +382,7 @@ def serve(
             ctx._end()
             client.flush()
             reply = _result(invocation_id, output)
-        except Exception as exc:  # the handler's failure fails its request only
+        except (Exception, SystemExit) as exc:  # the handler's failure (sys.exit too) fails its request only
             ctx._end()
             try:
                 client.flush()
@@ -396,7 +396,7 @@ def serve(
 MAX_ERROR_CHARS = 16_384
 
 
-def _failure(exc: Exception) -> list[str]:
+def _failure(exc: BaseException) -> list[str]:
     """[error type, message, traceback] of a handler's failure, each bounded by `MAX_ERROR_CHARS`."""
     message, text = str(exc), "".join(traceback.format_exception(exc))
     if len(message) > MAX_ERROR_CHARS:

@@ -103,6 +103,8 @@ def check_key(workflow: str, key: Any, request_id: str | None = None) -> str:
             f"serves keys starting with {workflow + '/'!r}"
         )
     scope = key[len(workflow) + 1 :].split("/", 1)
+    if not scope[-1]:
+        raise ValueError(f"key {key!r} names nothing after its prefix ('{workflow}/[<request id>/]<name>')")
     if request_id is not None and len(scope) == 2 and scope[0] != request_id:
         raise IsolationError(
             f"key {key!r} is scoped to request {scope[0]!r}; an invocation of request {request_id!r} "

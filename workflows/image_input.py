@@ -141,6 +141,14 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _int64(text: str) -> int:
+    """An integer the runtimes can carry: events cross to the functions as msgpack, 64-bit integers."""
+    value = int(text)
+    if not -(2**63) <= value < 2**64:
+        raise ValueError(f"the integer {text[:40]}{'...' if len(text) > 40 else ''} does not fit 64 bits")
+    return value
+
+
 def load_event_json(data: bytes, what: str) -> dict[str, Any]:
     """A JSON object nested at most `MAX_JSON_DEPTH` deep (deeper is refused before it can exhaust
     the parser's recursion); `BodyError` naming `what` otherwise."""
@@ -152,7 +160,7 @@ def load_event_json(data: bytes, what: str) -> dict[str, Any]:
             "arrays as an image or a base64 .npy"
         )
     try:
-        event = json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+        event = json.loads(data, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_int64)
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError, and the number limits below
         raise BodyError(
             f"{what} is not JSON: {error} (send a JSON event, an image/jpeg or image/png body, "

@@ -572,7 +572,7 @@ class LocalInvoker:
             output = wf.handlers[function](ctx, event)
             ctx.finish()
             return _json_copy(output, f"the output of {function!r}")
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # a handler's sys.exit fails its request only
             with contextlib.suppress(Exception):
                 ctx.finish()  # the handler's error is the one to report
             raise InvocationError(

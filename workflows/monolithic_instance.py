@@ -358,7 +358,7 @@ class Instance:
             output = self.wf.handlers[self.function](ctx, event)
             ctx.finish()
             return {"ok": True, "output": _json_copy(output, f"the output of {self.function!r}")}
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # a handler's sys.exit fails its request only
             reply = {"ok": False, **_error(error)}
             with contextlib.suppress(Exception):
                 ctx.finish()  # the handler's error is the one to report

@@ -52,6 +52,11 @@ def test_keys_are_scoped_to_their_workflow():
         check_key("traffic", "social/r1/x")
     with pytest.raises(IsolationError):
         check_key("traffic", "trafficX/r1/x")  # a prefix of the name is not the workflow
+    for empty in ("traffic/", "traffic/r1/"):
+        with pytest.raises(ValueError, match="names nothing after its prefix"):
+            check_key("traffic", empty, "r1")
+    with pytest.raises(ValueError, match="at most 1024 characters, got 1032"):
+        check_key("traffic", "traffic/" + "k" * 1024)
 
 
 def test_errors_cross_the_wire_by_name_never_by_pickle():

@@ -84,6 +84,8 @@ HANDLERS = textwrap.dedent(
     @streambox.function
     def boom(ctx, event):
         ctx.alloc(1 << 20)
+        if event.get("exit"):  # sys.exit in a handler: its failure, not the instance's end
+            raise SystemExit(event["exit"])
         raise ValueError("boom: " + event.get("msg", ""))
 
     @streambox.function
@@ -365,6 +367,8 @@ def test_a_failing_handler_fails_only_its_request(proxies, side, settled):
     baseline = client.stats()
     with pytest.raises(FunctionFailed, match="ValueError: boom: x"):
         client.invoke("boom", {"msg": "x"}, request_id="r-boom")
+    with pytest.raises(FunctionFailed, match="SystemExit: 3"):
+        client.invoke("boom", {"exit": 3}, request_id="r-exit")
     with pytest.raises(FunctionFailed, match="not JSON-able"):
         client.invoke("not_json", {}, request_id="r-json")
     for name, match in (("crash", "exited with code 3"), ("sigkill", "SIGKILL")):
@@ -380,7 +384,7 @@ def test_a_failing_handler_fails_only_its_request(proxies, side, settled):
     # The dead instances' streams are destroyed, and only once the pool holds no free pending on them.
     assert stats["retiring_streams"] == 0
     assert stats["instances_died"] - baseline["instances_died"] == 3
-    assert stats["failures"] - baseline["failures"] == 5
+    assert stats["failures"] - baseline["failures"] == 6
     assert stats["functions"]["hang"]["instances"] == 0
 
 

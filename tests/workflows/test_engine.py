@@ -163,6 +163,13 @@ def test_a_subclass_of_invalid_input_is_reported_as_invalid_input(make_invoker, 
     assert result.error == "check failed: InvalidInput: tag 'z' is not one of 'a', 'b'"
 
 
+def test_a_handler_that_calls_sys_exit_fails_its_request_only(make_invoker, run):
+    text = "name: x\nslo_ms: 10\nfunctions:\n  quit: {handler: wf_test_handlers:exits}\n"
+    first, second = run(run_once(make_invoker(), spec_of(text), {"code": 2}, {"code": 0}))
+    assert first.error == "quit failed: SystemExit: 2" and first.error_type == "SystemExit"
+    assert second.status == "error" and second.error_type == "SystemExit"  # the engine served on
+
+
 SLOW = """
 name: slow
 slo_ms: 100

@@ -87,7 +87,9 @@ def test_request_bodies_become_events():
         (b'{"a": NaN}', "NaN is not a JSON number"),
         (b'{"a": 1e999}', "beyond a float's range"),
         (b'{"a": ' + b"1" * 5000 + b"}", "4300 digits"),
+        (b'{"a": {"b": [1180591620717411303424]}}', "1180591620717411303424 does not fit 64 bits"),  # 2**70
     )
+    assert event_from_body("application/json", b'{"a": -9223372036854775808, "b": 18446744073709551615}')
     for body, why in refused:
         with pytest.raises(BodyError, match=why):
             event_from_body("application/json", body)

@@ -129,3 +129,7 @@ class BadTag(streambox.InvalidInput):
 
 def refuse(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
     raise BadTag(f"tag {event.get('tag')!r} is not one of 'a', 'b'")
+
+
+def exits(ctx: Any, event: dict[str, Any]) -> dict[str, Any]:
+    raise SystemExit(event.get("code", 0))
