@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, field_validator
 
 from streambox.settings_base import SettingsModel
 
@@ -50,7 +50,24 @@ class FunctionSpec(StrictModel):
     gpu_percent: int | None = Field(
         None, ge=1, le=100, description="share of the GPU's compute units its kernels use (GPU%)"
     )
-    params: dict[str, Any] = Field(default_factory=dict, description="given to the handler in the event")
+    params: dict[str, JsonValue] = Field(
+        default_factory=dict, description="given to the handler in the event: JSON values only"
+    )
+
+    @field_validator("params")
+    @classmethod
+    def _params_fit_the_wire(cls, params: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        """Params reach the functions in every event, as msgpack: integers of 64 bits at most."""
+        stack: list[JsonValue] = [params]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, dict):
+                stack.extend(value.values())
+            elif isinstance(value, list):
+                stack.extend(value)
+            elif isinstance(value, int) and not -(2**63) <= value < 2**64:
+                raise ValueError(f"the integer {value} does not fit 64 bits (events cross as msgpack)")
+        return params
 
     @property
     def timeout_s(self) -> float:

@@ -405,9 +405,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         # A DeviceError can only come from the device package once imported (it imports torch).
         device = sys.modules.get("streambox.device")
-        if not isinstance(error, (ValueError, KeyError, *((device.DeviceError,) if device else ()))):
+        if not isinstance(error, (ValueError, KeyError, OSError, *((device.DeviceError,) if device else ()))):
             raise
-        # Configuration mistakes get one clear line, not a traceback.
+        # Configuration mistakes and what the system refused (a path that cannot be written, a port
+        # in use) get one clear line, not a traceback.
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"streambox {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -177,23 +177,25 @@ class WorkflowGraph:
     def find_cycle(self) -> list[str] | None:
         """One cycle as a closed path [a, b, ..., a], or None."""
         state: dict[str, int] = {}  # 1 = on the current path, 2 = done
-        path: list[str] = []
-
-        def visit(name: str) -> list[str] | None:
-            state[name] = 1
-            path.append(name)
-            for edge in self.downstream[name]:
-                if state.get(edge.to) == 1:
+        for root in self.functions:
+            if root in state:
+                continue
+            # Depth-first with an explicit stack: a chain of thousands of functions must not exhaust
+            # Python's recursion.
+            path = [root]
+            state[root] = 1
+            stack = [iter(self.downstream[root])]
+            while stack:
+                edge = next(stack[-1], None)
+                if edge is None:
+                    state[path.pop()] = 2
+                    stack.pop()
+                elif state.get(edge.to) == 1:
                     return [*path[path.index(edge.to) :], edge.to]
-                if edge.to not in state and (cycle := visit(edge.to)):
-                    return cycle
-            state[name] = 2
-            path.pop()
-            return None
-
-        for name in self.functions:
-            if name not in state and (cycle := visit(name)):
-                return cycle
+                elif edge.to not in state:
+                    state[edge.to] = 1
+                    path.append(edge.to)
+                    stack.append(iter(self.downstream[edge.to]))
         return None
 
 

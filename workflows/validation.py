@@ -324,10 +324,12 @@ def validate_file(path: str | Path, *, check_handlers: bool = True) -> WorkflowS
     """Load and validate a workflow YAML file (the CLI's `streambox validate`)."""
     path = Path(path)
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            message = f"{path.stat().st_size} bytes; a workflow file may have at most {MAX_FILE_BYTES}"
+        with path.open("rb") as file:  # read to the limit, not the size it claims (a pipe, /dev/zero)
+            data = file.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            message = f"more than {MAX_FILE_BYTES} bytes; a workflow file may have at most {MAX_FILE_BYTES}"
             raise WorkflowValidationError([Issue(str(path), None, None, "", message)])
-        text = path.read_text()
+        text = data.decode("utf-8")
     except OSError as error:
         raise WorkflowValidationError(
             [Issue(str(path), None, None, "", error.strerror or str(error))]

@@ -233,6 +233,36 @@ def test_validate_file_names_the_file(tmp_path):
         validate_file(tmp_path / "nothing.yaml")
 
 
+def test_a_long_chain_validates_and_a_long_cycle_is_found(tmp_path):
+    """The cycle search used to recurse once per function: a chain of 1,000 hit Python's limit."""
+    n = 1100  # past the recursion limit (1,000), within the YAML value bound (10,000)
+    functions = "".join(f"  f{i}: {{handler: wf_test_handlers:echo}}\n" for i in range(n))
+    edges = "".join(f"  - {{from: f{i}, to: f{i + 1}}}\n" for i in range(n - 1))
+    text = f"name: chain\nslo_ms: 100\nfunctions:\n{functions}edges:\n{edges}"
+    assert len(parse_spec(text, "chain.yaml", HERE).functions) == n
+    cyclic = text + f"  - {{from: f{n - 1}, to: f0}}\n"
+    (message,) = errors(cyclic)
+    assert message.endswith("edges form a cycle: " + " -> ".join(f"f{i}" for i in [*range(n), 0]))
+
+
+def test_params_are_json_values_that_fit_the_wire():
+    head = "name: demo\nslo_ms: 100\nfunctions:\n  a: {handler: wf_test_handlers:echo, params: "
+    assert errors(head + "{when: 2024-01-01, ratio: .nan}}\n") == [
+        "demo.yaml:4:48: functions.a.params.when: input was not a valid JSON value "
+        "(got datetime.date(2024, 1, 1))",
+        "demo.yaml:4:66: functions.a.params.ratio.float: Input should be a finite number (got nan)",
+    ]
+    (big,) = errors(head + "{n: [1, 18446744073709551616]}}\n")
+    assert "the integer 18446744073709551616 does not fit 64 bits" in big
+    ok = parse_spec(head + "{n: [1, {m: -3.5, s: x, b: true, z: null}]}}\n", "demo.yaml", HERE)
+    assert ok.functions["a"].params == {"n": [1, {"m": -3.5, "s": "x", "b": True, "z": None}]}
+
+
+def test_a_workflow_file_is_read_to_its_limit_only(tmp_path):
+    with pytest.raises(WorkflowValidationError, match=r"/dev/zero: more than 1048576 bytes; a workflow file"):
+        validate_file("/dev/zero")
+
+
 def test_handler_signature_is_checked(tmp_path):
     (tmp_path / "one_arg.py").write_text("def run(event):\n    return event\n")
     text = "name: demo\nslo_ms: 100\nfunctions:\n  a: {handler: one_arg:run}\n"
