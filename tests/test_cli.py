@@ -118,3 +118,13 @@ def test_serve_refuses_a_bad_port_or_token_file_in_one_line(tmp_path, capsys):
     assert "port 99999 is not in 1-65535" in capsys.readouterr().err
     assert main(["serve", "shapes", "--token-file", str(tmp_path / "missing")]) == 2
     assert "--token-file" in capsys.readouterr().err
+
+
+def test_a_path_the_system_refuses_is_one_clear_line(capsys, tmp_path, monkeypatch):
+    """An OSError (a state dir under a file here; an --out that cannot be made, a port in use) used to
+    be a traceback."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("STREAMBOX_STATE_DIR", str(tmp_path / "file" / "state"))
+    assert main(["devices"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("streambox devices: error: ") and "Not a directory" in err[0]
