@@ -20,7 +20,7 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from streambox.config import Config, SettingsModel
 from streambox.device.modes import device_mode_env
@@ -56,6 +56,8 @@ class ReplayConfig(SettingsModel):
     """Every knob of a run; written whole to config.json. Checked on construction: a mistake raises
     `SettingsError` (a ValueError) naming the field, the value and what is allowed."""
 
+    model_config = ConfigDict(allow_inf_nan=False)  # `--scale inf`: a mistake, named as one
+
     trace: str | None = None  # a trace file or folder; None = the shipped sample
     workflows: tuple[str, ...] = Field(("traffic",), min_length=1)
     system: str = "streambox"
@@ -71,13 +73,13 @@ class ReplayConfig(SettingsModel):
     mapping: str = "round-robin"  # round-robin | stripe | explicit
     explicit_mapping: dict[str, str] = Field(default_factory=dict)
     spacing: str = "poisson"  # poisson | even | trace (2021 timestamps)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # numpy's seeds
     slo_ms: float = Field(200.0, gt=0)  # the paper's SLO for Traffic
     max_requests: int | None = Field(None, ge=1)
     max_duration_s: float | None = Field(None, gt=0)
     request_timeout_s: float | None = Field(None, gt=0)
     drain_timeout_s: float = Field(60.0, ge=0)
-    sample_interval_s: float = Field(0.5, gt=0)
+    sample_interval_s: float = Field(0.5, ge=0.01)  # each sample reads every runtime's stats
     system_options: dict[str, Any] = Field(default_factory=dict)  # --set KEY=VALUE, to the system
     overwrite: bool = False
     progress: bool = True

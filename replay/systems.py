@@ -87,7 +87,7 @@ class WorkflowOptions(SettingsModel):
 
     inputs: Literal["small", "full"] = Field(default_factory=lambda: env_default("inputs"))
     keep_alive_s: float = Field(PAPER_KEEP_ALIVE_S, ge=0)
-    variants: int = Field(4, ge=1)
+    variants: int = Field(4, ge=1, le=64)  # each is built at the start (a Traffic event: ~300 KB)
 
     @classmethod
     def split(

@@ -21,6 +21,10 @@ from streambox.replay.run import ReplayConfig, run_replay
         ({"spacing": "uniform"}, "spacing 'uniform' is not one of poisson, even, trace"),
         ({"max_requests": 0}, "max_requests 0 must be >= 1"),
         ({"minuets": 3}, "minuets 3 is not a known setting"),
+        ({"scale": float("inf")}, "scale inf Input should be a finite number"),
+        ({"slo_ms": float("nan")}, "slo_ms nan Input should be a finite number"),
+        ({"seed": -1}, "seed -1 must be >= 0"),
+        ({"sample_interval_s": 1e-9}, "sample_interval_s 1e-09 must be >= 0.01"),
     ],
 )
 def test_bad_replay_options_name_the_field_the_value_and_the_allowed(options: dict, message: str) -> None:

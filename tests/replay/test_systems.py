@@ -79,7 +79,11 @@ def test_bad_system_options_fail_before_the_run(system: str, options: dict[str, 
 
 @pytest.mark.parametrize(
     ("options", "message"),
-    [({"inputs": "huge"}, "inputs 'huge' is not one of small, full"), ({"variants": "x"}, "variants")],
+    [
+        ({"inputs": "huge"}, "inputs 'huge' is not one of small, full"),
+        ({"variants": "x"}, "variants"),
+        ({"variants": "10000000"}, "variants '10000000' must be <= 64"),  # each is built at the start
+    ],
 )
 def test_bad_options_name_the_key(options: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
