@@ -21,10 +21,11 @@ import gzip
 import io
 import math
 import re
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 import numpy as np
 
@@ -166,10 +167,35 @@ class Trace:
 # -- opening and sniffing ------------------------------------------------------------------------------
 
 
+class _NamedText(io.TextIOWrapper):
+    """A trace file's text: a byte that is not UTF-8, or a damaged or truncated gzip stream, is a
+    `TraceFormatError` naming the file, wherever the reading stops."""
+
+    def __init__(self, path: Path, raw: BinaryIO) -> None:
+        super().__init__(raw, encoding="utf-8-sig", newline="")
+        self._path = path
+
+    def _named(self, read: Callable[[], str]) -> str:
+        try:
+            return read()
+        except (UnicodeDecodeError, EOFError, zlib.error, gzip.BadGzipFile) as error:
+            utf8 = isinstance(error, UnicodeDecodeError)
+            why = "not UTF-8 text" if utf8 else "a damaged or truncated gzip file"
+            raise TraceFormatError(f"{self._path}: {why} ({type(error).__name__}: {error})") from None
+
+    def readline(self, size: int = -1) -> str:  # type: ignore[override]
+        return self._named(lambda: super(_NamedText, self).readline(size))
+
+    def read(self, size: int | None = -1) -> str:  # type: ignore[override]
+        return self._named(lambda: super(_NamedText, self).read(size))
+
+    def __next__(self) -> str:
+        return self._named(lambda: super(_NamedText, self).__next__())
+
+
 def _open_text(path: Path) -> TextIO:
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig", newline="")
-    return open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115 - returned to a with-block
+    raw = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # noqa: SIM115 - closed by the wrapper
+    return _NamedText(path, raw)
 
 
 def read_header(path: Path) -> list[str]:
@@ -260,8 +286,9 @@ def _minute_counts(path: Path, number: int, cells: Sequence[str], columns: Seque
     counts = np.empty(len(cells), dtype=np.int64)
     for i, cell in enumerate(cells):
         text = cell.strip()
-        if not text.isdigit():
-            what = "negative invocation count" if text[1:].isdigit() else "a minute count is not an integer"
+        if not (text.isascii() and text.isdigit()):  # not str.isdigit alone: it takes '²' and '٣'
+            negative = text.startswith("-") and text[1:].isascii() and text[1:].isdigit()
+            what = "negative invocation count" if negative else "a minute count is not an integer"
             raise TraceFormatError(f"{path}, line {number}: {what} (column {columns[i]}: {cell!r})")
         if len(text) > 8 or int(text) > MAX_MINUTE_COUNT:
             raise TraceFormatError(

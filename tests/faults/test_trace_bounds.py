@@ -27,6 +27,9 @@ def _trace(tmp_path, text: str, name: str = "inv.csv"):
         ("9223372036854775807", r"minute count 9223372036854775807 \(column 2\) is above"),
         ("-3", r"negative invocation count \(column 2: '-3'\)"),
         ("1e8", r"a minute count is not an integer \(column 2: '1e8'\)"),
+        ("+5", r"a minute count is not an integer \(column 2: '\+5'\)"),  # was "negative"
+        ("\u0663", r"a minute count is not an integer \(column 2: '\u0663'\)"),  # Arabic-Indic 3
+        ("\u00b2", r"a minute count is not an integer \(column 2: '\u00b2'\)"),  # int() refuses it
     ],
 )
 def test_out_of_range_minute_counts_name_file_line_and_column(tmp_path, count, message):
@@ -67,3 +70,19 @@ def test_a_scale_that_explodes_a_minute_is_refused(tmp_path):
     chosen = choose_functions(trace.functions, 1, start_minute=0, minutes=2)
     with pytest.raises(ValueError, match=r"scaling by 1e\+09 gives 5000000000 arrivals in one trace minute"):
         build_arrivals(chosen, {chosen[0].key: "w"}, minutes=2, rate_scale=1e9)
+
+
+def test_a_damaged_gzip_or_non_utf8_trace_names_the_file(tmp_path):
+    import gzip
+
+    text = (HEADER + "o,a,f,http,1,2\n") * 200
+    whole = gzip.compress(text.encode())
+    cases = {
+        "bad.csv.gz": (b"garbage, not gzip", "a damaged or truncated gzip file"),
+        "cut.csv.gz": (whole[: len(whole) // 2], "a damaged or truncated gzip file"),
+        "latin.csv": ((HEADER + "o,caf\xe9,f,http,1,2\n").encode("latin-1"), "not UTF-8 text"),
+    }
+    for name, (data, why) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(TraceFormatError, match=rf"{name}: {why}"):
+            load_trace(tmp_path / name)
