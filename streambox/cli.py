@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -81,6 +82,17 @@ def _port(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is not in 1-65535")
     return port
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (`inf`, `nan`, 0 and -1 meant no timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -265,7 +277,7 @@ def _invoke_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", help="a JPEG, PNG or .npy image file: the event's 'image' (base64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", default="http://127.0.0.1:8080")
-    p.add_argument("--timeout", type=float, default=None, help="seconds")
+    p.add_argument("--timeout", type=_positive_seconds, default=None, help="seconds (> 0)")
     p.add_argument("--token-file", help="a file holding the gateway's bearer token")
     p.set_defaults(handler=cmd_invoke)
 

@@ -81,6 +81,7 @@ class DeviceFields(SettingsModel):
     gpus: int = Field(
         1,
         ge=1,
+        le=64,  # each GPU is a ledger file and its runtimes' state: a typo of 10**8 opened files until EMFILE
         description="GPUs of the node: proxies are placed on the one with the least memory in use, and "
         "AM moves a proxy's data to the least-pressured other GPU before host",
     )

@@ -669,6 +669,10 @@ def cmd_burst(args: argparse.Namespace) -> int:
 
     config = config_from(args, device_mode="timed")
     inputs = inputs_from(args)
+    if args.json is not None:  # before the run, not after it: a path that cannot be written lost it
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        if args.json.is_dir():
+            raise IsADirectoryError(f"--json {args.json} is a folder; give a file path")
     print(describe_device_mode(config.device_mode), flush=True)
     try:
         with device_mode_env(config.device_mode):  # the proxies it starts follow the run
@@ -693,7 +697,6 @@ def cmd_burst(args: argparse.Namespace) -> int:
         return 2
     print_report(report)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report.to_json(), indent=1))
         print(f"wrote {args.json}")
     return 0 if report.failed == 0 else 1

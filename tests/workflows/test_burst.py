@@ -115,6 +115,13 @@ def test_bad_workflows_give_one_line_errors(tmp_path, capsys):
     assert "KEY=VALUE" in capsys.readouterr().err
     assert main(["burst", "traffic", "--system", "nope"]) == 2
     assert "system must be one of" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")  # a --json path that cannot be written: refused before the run
+    assert main(["burst", "traffic", "--json", str(tmp_path / "a-file" / "report.json")]) == 2
+    err = capsys.readouterr().err
+    assert "streambox burst: error:" in err and "a-file" in err and "device mode" not in err
+    with pytest.raises(SystemExit, match="2"):  # argparse's usage error
+        main(["invoke", "traffic", "--timeout", "inf"])
+    assert "must be a finite number of seconds > 0, got inf" in capsys.readouterr().err
 
 
 def test_traffic_params_and_default_inputs():
