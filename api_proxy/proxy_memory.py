@@ -31,6 +31,7 @@ the weights it is the first to use).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,7 +42,7 @@ from streambox.io_daemon import IODaemon
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.memory_pool.modes import PoolMode
 from streambox.memory_pool.periodic import PeriodicThread
-from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig, Reclaim
+from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig, Reclaim, check_fields
 from streambox.memory_pool.scaler import (
     PositionBoard,
     ResilientScaler,
@@ -113,6 +114,22 @@ class MemoryOptions:
     # The scaler's period while nothing runs and the pool does not move; a run or a free wakes it.
     scaler_idle_period_s: float = 0.1
     profiles: bool = True  # off: Algorithm 1 without profiles (an ablation: every function unprofiled)
+
+    def __post_init__(self) -> None:
+        def period(value: float | None) -> tuple[bool, str]:
+            return value is not None and 0 < value < math.inf, "finite and > 0"
+
+        check_fields(
+            self,
+            keep_alive_s=(0 <= self.keep_alive_s < math.inf, "finite and >= 0"),
+            recycler=(self.recycler in ("kernel", "thread"), "'kernel' or 'thread'"),
+            recycler_period_s=period(self.recycler_period_s),
+            t_interval_s=period(self.t_interval_s) if self.t_interval_s is not None else (True, ""),
+            min_scaler_period_s=period(self.min_scaler_period_s),
+            headroom_bytes=(self.headroom_bytes >= 0, ">= 0"),
+            sweep_period_s=period(self.sweep_period_s),
+            scaler_idle_period_s=period(self.scaler_idle_period_s),
+        )
 
 
 class ProxyMemory:

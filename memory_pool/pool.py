@@ -49,6 +49,7 @@ simply never call `trim_to`/`resize`.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -133,13 +134,22 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         chunk_size_for(0, self.chunk_bytes)  # validates chunk_bytes
-        if (
-            self.fence_bytes < 0
-            or self.fence_frees < 1
-            or self.oom_wait_s < 0
-            or (self.run_ahead_bytes is not None and self.run_ahead_bytes < 0)
-        ):
-            raise ValueError(f"invalid pool config: {self}")
+        check_fields(
+            self,
+            fence_bytes=(self.fence_bytes >= 0, ">= 0"),
+            fence_frees=(self.fence_frees >= 1, ">= 1"),
+            oom_wait_s=(0 <= self.oom_wait_s < math.inf, "finite and >= 0"),
+            run_ahead_bytes=(self.run_ahead_bytes is None or self.run_ahead_bytes >= 0, ">= 0 or None"),
+            series_limit=(self.series_limit >= 1, ">= 1"),
+            series_interval_s=(0 <= self.series_interval_s < math.inf, "finite and >= 0"),
+        )
+
+
+def check_fields(config: object, **rules: tuple[bool, str]) -> None:
+    """Raise ValueError naming each field of `config` whose rule, (holds, what it must be), fails."""
+    bad = [f"{name} {getattr(config, name)!r} must be {must}" for name, (ok, must) in rules.items() if not ok]
+    if bad:
+        raise ValueError(f"{type(config).__name__}: {'; '.join(bad)}")
 
 
 class PoolOutOfMemory(OutOfDeviceMemory):
