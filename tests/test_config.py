@@ -149,7 +149,7 @@ def test_library_knobs_come_in_groups_checked_against_the_librarys_dataclasses(
         ({"store": {"pressure_aware": False}}, "store.pressure_aware: set by pa"),
         ({"store": {"window": 1}}, "store.window is not a setting of StoreConfig; known: capacity_fraction"),
         ({"memory": {"mode": "fm"}}, "memory.mode: set by pool_mode"),
-        ({"pool": {"series_limit": -5}}, "pool: .*PoolConfig: series_limit -5 must be >= 1"),  # was deque's error
+        ({"pool": {"series_limit": -5}}, "pool: .*PoolConfig: series_limit -5 must be >= 1"),
         ({"pool": {"oom_wait_s": "nan"}}, "oom_wait_s nan must be finite and >= 0"),
         ({"memory": {"t_interval_s": 0}}, "MemoryOptions: t_interval_s 0.0 must be finite and > 0"),
         ({"memory": {"headroom_bytes": -1}}, "headroom_bytes -1 must be >= 0"),

@@ -73,6 +73,8 @@ def parse_params(pairs: Sequence[str] | None, spec: WorkflowSpec) -> dict[str, d
         if not sep or not key:
             raise ValueError(f"--params takes [FUNCTION.]KEY=VALUE, got {pair!r}")
         function, dot, name = key.rpartition(".")
+        if not name:
+            raise ValueError(f"--params {pair!r}: the KEY after {function + '.'!r} is empty")
         if dot and function not in spec.functions:
             known = ", ".join(spec.functions)
             raise ValueError(

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, PrivateAttr, StringConstraints
+from pydantic import Field, PrivateAttr, StringConstraints, ValidationError
 
 # A function's fields are defined once, beside the proxy's record of it (issue 15).
 from streambox.api_proxy.function_spec import (
@@ -109,10 +109,16 @@ class WorkflowSpec(StrictModel):
         unknown = sorted(set(params) - set(self.functions))
         if unknown:
             raise KeyError(f"workflow {self.name!r} has no functions {unknown}")
-        functions = {
-            name: fn.model_copy(update={"params": {**fn.params, **params.get(name, {})}})
-            for name, fn in self.functions.items()
-        }
+        functions = {}
+        for name, fn in self.functions.items():  # checked as the YAML's are (JSON values, finite numbers)
+            merged = {**fn.params, **params.get(name, {})}
+            try:
+                functions[name] = type(fn).model_validate({**fn.model_dump(), "params": merged})
+            except ValidationError as error:
+                first = error.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                why = f"{first['msg']} (got {first['input']!r})"
+                raise ValueError(f"function {name!r}: {where}: {why}") from None
         return self.model_copy(update={"functions": functions}).with_base_dir(self._base_dir)
 
     def graph(self) -> WorkflowGraph:

@@ -113,6 +113,10 @@ def test_bad_workflows_give_one_line_errors(tmp_path, capsys):
     assert "has no function 'nosuch'" in capsys.readouterr().err
     assert main(["burst", "traffic", "--params", "image_size"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+    assert main(["burst", "traffic", "--params", "detect.=1"]) == 2
+    assert "the KEY after 'detect.' is empty" in capsys.readouterr().err
+    assert main(["burst", "traffic", "--params", "image_size=NaN"]) == 2  # checked as the YAML's params
+    assert "'detect': params.image_size.float: Input should be a finite number" in capsys.readouterr().err
     assert main(["burst", "traffic", "--system", "nope"]) == 2
     assert "system must be one of" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("")  # a --json path that cannot be written: refused before the run
