@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -68,6 +69,8 @@ SOURCE_PT2 = "source.pt2"
 STATE_FILE = "state.safetensors"
 DEFAULT_PRESET = "v100-16gb"
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
+#: Elements of one input sample a registered model may take (a 4K RGB image is 25 million).
+MAX_INPUT_ELEMENTS = 1 << 26
 
 
 @dataclass
@@ -306,6 +309,12 @@ def _from_factory(
     if input_dtype not in INPUT_DTYPES:
         allowed = ", ".join(INPUT_DTYPES)
         raise ModelRegistrationError(file, f"input dtype {input_dtype!r} is not one of {allowed}")
+    if not shape or min(shape) < 1 or math.prod(shape) > MAX_INPUT_ELEMENTS:
+        raise ModelRegistrationError(
+            file,
+            f"input shape {list(shape)}: each dimension >= 1 and at most {MAX_INPUT_ELEMENTS:,} elements "
+            "per sample (registration lowers and checks it on the CPU)",
+        )
     return _Source(file, eager, shape, dtype_from_name(input_dtype), weights=resolved)
 
 

@@ -174,6 +174,10 @@ def test_bad_names_and_sources_are_refused(tmp_path, factory_module):
         registry.register(root, "net", factory="no_such_module_here:build")
     with pytest.raises(registry.ModelRegistrationError, match="missing.pt2: no such file"):
         registry.register(root, "net", pt2=tmp_path / "missing.pt2")
+    for shape in ((100_000, 100_000, 100_000), (3, 0, 8)):  # a torch allocation error, or nothing to lower
+        with pytest.raises(registry.ModelRegistrationError, match=r"dimension >= 1 and at most 67,108,864"):
+            registry.register(root, "net", factory=f"{factory_module.__name__}:build", input_shape=shape)
+    assert not (root / "net").exists()
 
 
 def test_a_registration_that_loses_the_race_for_its_version_says_so(tmp_path, factory_module, monkeypatch):
