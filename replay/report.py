@@ -76,13 +76,23 @@ def load_run(path: str | Path) -> Run:
     missing = [n for n in ("summary.json", "requests.csv", "samples.csv") if not (path / n).exists()]
     if missing:
         raise ReportError(f"{path}: not a finished replay run (missing {', '.join(missing)})")
-    summary = json.loads((path / "summary.json").read_text())
-    rows = read_requests(path / "requests.csv")
-    latencies = np.array(
-        [float(r["latency_s"]) * 1e3 for r in rows if r["status"] == "ok" and r["latency_s"]]
-    )
+    reading = path / "summary.json"
+    try:  # a damaged file names itself: the run's own files are read one by one
+        summary = json.loads(reading.read_text())
+        if not isinstance(summary, dict):
+            raise ValueError("not a JSON object")
+        reading = path / "requests.csv"
+        rows = read_requests(reading)
+        latencies = np.array(
+            [float(r["latency_s"]) * 1e3 for r in rows if r["status"] == "ok" and r["latency_s"]]
+        )
+        reading = path / "samples.csv"
+        samples = read_samples(reading)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+        why = f"{type(error).__name__}: {error}"
+        raise ReportError(f"{reading}: cannot be read as a replay's file ({why})") from None
     label = summary.get("label") or summary.get("system") or path.name
-    return Run(label, path, summary, read_samples(path / "samples.csv"), latencies)
+    return Run(label, path, summary, samples, latencies)
 
 
 def _unique_labels(runs: list[Run]) -> None:

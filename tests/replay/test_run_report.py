@@ -134,6 +134,15 @@ def test_a_baseline_whose_every_request_failed_gets_na_ratios_not_a_crash(tmp_pa
 def test_report_names_a_directory_that_is_not_a_run(tmp_path):
     with pytest.raises(ValueError, match="not a finished replay run .missing summary.json"):
         report([tmp_path], tmp_path / "out")
+    # A run whose file is damaged: the error names that file (it said "could not convert string...")
+    for name in ("summary.json", "requests.csv", "samples.csv"):
+        (tmp_path / name).write_text("{}" if name == "summary.json" else "a,b\n1,2\n")
+    (tmp_path / "summary.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"summary.json: cannot be read as a replay's file .JSONDecodeError"):
+        report([tmp_path], tmp_path / "out")
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"requests.csv: cannot be read as a replay's file"):
+        report([tmp_path], tmp_path / "out")
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
