@@ -441,13 +441,18 @@ class DeviceMemoryPool:
             for j, nbytes in enumerate(sizes):
                 size = _aligned(nbytes)
                 address = None
-                if exact is not None and j < len(preferred):
-                    address = exact(preferred[j], size)
+                if j < len(preferred) and preferred[j]:
+                    if exact is not None:
+                        address = exact(preferred[j], size)
+                    if address is not None:
+                        reuses += 1
+                    else:  # its old block went back to the sub-allocator meanwhile: that address anew
+                        address = sub.allocate_at(preferred[j], size)
                 if address is None and take is not None:
                     address = take(size)
-                if address is not None:  # the common case of a lazily allocated plan
-                    reuses += 1
-                else:
+                    if address is not None:  # the common case of a lazily allocated plan
+                        reuses += 1
+                if address is None:
                     address = sub.allocate(size)
                     if address is None:
                         return

@@ -239,6 +239,44 @@ class SubAllocator:
         self._n_alloc += 1
         return addr
 
+    def allocate_at(self, address: int, nbytes: int) -> int | None:
+        """`address` itself as a block of at least `nbytes`, if free memory holds it there (its free
+        block is split around it), else None: for a caller that wants the address it had before (a
+        warm instance's kernels keep their bound calls) once its old block was merged back here."""
+        if nbytes < 0:
+            raise ValueError(f"negative size: {nbytes}")
+        size = ALIGNMENT if nbytes <= ALIGNMENT else (nbytes + ALIGNMENT - 1) & _MASK
+        free, used = self._free, self._used
+        start = address
+        if address not in free:
+            if address in used:  # the common miss: another block starts there
+                return None
+            # Merged into the free block before it: walk the chunk's blocks (they tile it) to it.
+            start = self.chunk_of(address)  # type: ignore[assignment]
+            if start is None:
+                return None
+            while True:
+                step = free.get(start) or used.get(start)
+                if step is None or start + step > address:
+                    break
+                start += step
+            if start not in free:
+                return None
+        end = start + free[start]
+        if address + size > end:
+            return None
+        self._remove_free(start, end - start)
+        if address > start:
+            self._insert_free(start, address - start)
+        if address + size < end:
+            self._insert_free(address + size, end - address - size)
+        self._used[address] = size
+        self._allocated += size
+        if self._allocated > self._peak:
+            self._peak = self._allocated
+        self._n_alloc += 1
+        return address
+
     def free(self, address: int) -> None:
         """Return the block at `address`, merging it with free neighbours in the same chunk."""
         size = self._used.pop(address, None)

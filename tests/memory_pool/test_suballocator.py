@@ -77,6 +77,24 @@ def test_split_keeps_the_tail_free_and_free_coalesces_in_any_order() -> None:
         assert sa.releasable_chunks() == [(BASE, 16 * KiB)]
 
 
+def test_allocate_at_takes_an_address_back_from_the_free_block_that_holds_it() -> None:
+    sa = SubAllocator()
+    sa.add_chunk(BASE, 16 * KiB)
+    a, b, c = (sa.allocate(4 * KiB) for _ in range(3))
+    sa.free(a)
+    sa.free(b)  # merged with a: the free block starts at a, not b
+    assert sa.allocate_at(b, 4 * KiB) == b  # split around it
+    assert free_blocks(sa) == [(a, 4 * KiB), (c + 4 * KiB, 4 * KiB)]
+    assert sa.allocate_at(c, 256) is None  # c is in use
+    assert sa.allocate_at(a + 256, 4 * KiB) is None  # runs into b
+    assert sa.allocate_at(a, 4 * KiB) == a  # a free block's own start
+    assert sa.allocate_at(BASE + 64 * KiB, 256) is None  # no chunk there
+    assert sa.stats().allocated_bytes == 12 * KiB
+    for x in (a, b, c):
+        sa.free(x)
+    assert free_blocks(sa) == [(BASE, 16 * KiB)]
+
+
 def test_no_merge_across_contiguous_chunks() -> None:
     sa = SubAllocator()
     sa.add_chunk(BASE, 8 * KiB)
