@@ -232,6 +232,10 @@ class SubAllocator:
                 sizes.insert(bisect_left(sizes, tsize, 0, i), tsize)  # tsize < bsize
             else:
                 tbin[tail] = None
+        return self._mark_used(addr, size)
+
+    def _mark_used(self, addr: int, size: int) -> int:
+        """Count the block at `addr` as allocated (taken off the free lists already); returns `addr`."""
         self._used[addr] = size
         self._allocated += size
         if self._allocated > self._peak:
@@ -270,12 +274,7 @@ class SubAllocator:
             self._insert_free(start, address - start)
         if address + size < end:
             self._insert_free(address + size, end - address - size)
-        self._used[address] = size
-        self._allocated += size
-        if self._allocated > self._peak:
-            self._peak = self._allocated
-        self._n_alloc += 1
-        return address
+        return self._mark_used(address, size)
 
     def free(self, address: int) -> None:
         """Return the block at `address`, merging it with free neighbours in the same chunk."""
