@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, field_validator
 
+from streambox.api_proxy.wire import carries_int
 from streambox.settings_base import SettingsModel
 
 HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
@@ -65,7 +66,7 @@ class FunctionSpec(StrictModel):
                 stack.extend(value.values())
             elif isinstance(value, list):
                 stack.extend(value)
-            elif isinstance(value, int) and not -(2**63) <= value < 2**64:
+            elif isinstance(value, int) and not carries_int(value):
                 raise ValueError(f"the integer {value} does not fit 64 bits (events cross as msgpack)")
         return params
 

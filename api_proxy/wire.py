@@ -32,6 +32,11 @@ KINDS = {CALL: "CALL", REPLY: "REPLY", INVOKE: "INVOKE", RESULT: "RESULT", HELLO
 _local = threading.local()
 
 
+def carries_int(value: int) -> bool:
+    """Whether msgpack carries `value`: integers of 64 bits, signed or unsigned."""
+    return -(2**63) <= value < 2**64
+
+
 def pack(message: Any) -> bytes:
     packer = getattr(_local, "packer", None)
     if packer is None:

@@ -23,6 +23,8 @@ import json
 import math
 from typing import Any
 
+from streambox.api_proxy.wire import carries_int
+
 IMAGE_CONTENT_TYPES = ("image/jpeg", "image/png")
 _MAGIC = {b"\xff\xd8\xff": "jpeg", b"\x89PNG\r\n\x1a\n": "png", b"\x93NUMPY": "npy"}
 _FORMATS = "base64 text of JPEG, PNG or .npy (uint8 [H, W, 3]) bytes"
@@ -144,7 +146,7 @@ def _finite_float(text: str) -> float:
 def _int64(text: str) -> int:
     """An integer the runtimes can carry: events cross to the functions as msgpack, 64-bit integers."""
     value = int(text)
-    if not -(2**63) <= value < 2**64:
+    if not carries_int(value):
         raise ValueError(f"the integer {text[:40]}{'...' if len(text) > 40 else ''} does not fit 64 bits")
     return value
 
