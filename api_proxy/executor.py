@@ -14,7 +14,8 @@ and recycled (`PlanProgram.schedule`: `memory_pool.access_schedule`), and a kern
 tensors in place is bound once per instance and address set (`plan_program.KernelCalls`), so the hot
 loop (`_issue_scheduled`) only makes one allocator call per kernel (`free_and_allocate`: what the
 previous kernel spent, what this one touches first), launches and retires (docs/api_proxy.md, "The
-plan executor"). `_issue` counts per access instead, for the background recycler and for a plan
+plan executor"), the kernels launched a segment at a time where the pool can hold its fences
+(`run_issue`). `_issue` counts per access instead, for the background recycler and for a plan
 whose expected counts are too low (it raises `RecycledAccess` where the count is passed).
 
 The pool mode decides the mechanisms (`PlanExecutor.for_mode`): `static` allocates every variable up
@@ -58,6 +59,7 @@ from .device_model import (
 )
 from .device_tensor import DeviceTensor
 from .plan_program import ELEMENTS_PER_BLOCK, KernelCalls, PlanProgram, ProgramCache, RunInputs, plan_key
+from .run_issue import IssueOne, IssueSegments, allocator_calls, holds_fences
 from .run_result import RunResult, RunStats
 
 __all__ = [
@@ -145,13 +147,8 @@ class PlanExecutor:
         self.lazy = lazy
         self.recycler = recycler
         self.positions = positions
-        free_many = getattr(allocator, "free_many", None)
-        self._free_batch: Callable[[list[int], Stream], None] = free_many or (
-            lambda addresses, stream: free_all(allocator, addresses, stream)
-        )
-        self._free_and_allocate: Callable[..., list[int]] = (
-            getattr(allocator, "free_and_allocate", None) or self._free_then_allocate
-        )
+        self._free_batch, self._free_and_allocate = allocator_calls(allocator)
+        self._segments = holds_fences(allocator)  # kernels launched a segment at a time (`run_issue`)
         self._generation = release_generation(allocator)
         self._instances: dict[Hashable, _Instance] = {}
         self._lock = threading.Lock()
@@ -174,21 +171,6 @@ class PlanExecutor:
         if self.eager_recycling and self.recycler != "kernel":
             return None
         return program.schedule(self.lazy, self.eager_recycling)
-
-    def _free_then_allocate(
-        self, addresses: list[int], sizes: tuple[int, ...], stream: Stream, prefer: object = None
-    ) -> list[int]:
-        """`free_and_allocate` for an allocator without it (no `prefer`): a batch free, then `allocate`s."""
-        if addresses:
-            self._free_batch(addresses, stream)
-        got: list[int] = []
-        try:
-            for nbytes in sizes:
-                got.append(self.allocator.allocate(nbytes, stream=stream))
-        except BaseException:
-            free_all(self.allocator, got, stream)
-            raise
-        return got
 
     def _program(self, model: DeviceModel) -> PlanProgram:
         """The model's program with its kernels' GPU times on this device (timed mode), once per plan:
@@ -411,7 +393,8 @@ class PlanExecutor:
         on_kernel: Callable[[int, Kernel], None] | None,
         result: RunResult,
     ) -> int:
-        """The hot loop on the plan's `AccessSchedule`: one allocator call per kernel (module doc)."""
+        """The hot loop on the plan's `AccessSchedule`: one allocator call per kernel (module doc),
+        carried out by `run_issue` (a segment at a time, or one by one under a profile or a hook)."""
         program, table, lock, rows = model.program, state.table, state.lock, state.rows
         steps, first, last, registered = state.steps, state.first, state.last, state.program  # from `_enter`
         assert steps is not None  # `run` chose this path by it
@@ -419,12 +402,12 @@ class PlanExecutor:
         with lock:
             calls = self._calls_for(state, model)
         run_inputs = RunInputs(inputs)
-        events, timed = result._events, result._timed
-        free_and_allocate, launch = self._free_and_allocate, self.runtime.launch
         board, generation, name, batch = self.positions, self._generation, model.plan.model, model.plan.batch
         input_address = {n: t.address for n, t in inputs.items()}
-        profile, peak = bool(events), table.held_bytes
+        peak = table.held_bytes
         spent: list[int] = []  # recycled by the last kernel, freed with the next kernel's allocations
+        issue = self._run_issue(stream, result, on_kernel)
+        allocate, launch = issue.allocate, issue.launch
         try:
             for k in program.kernels:
                 i, step = k.index, steps[k.index]
@@ -437,8 +420,7 @@ class PlanExecutor:
                         _check_registered(state, registered, instance)  # raises
                     if step.first or spent:
                         freeing, spent = spent, []
-                        got = free_and_allocate(freeing, step.sizes, stream, prefer=placed[i])
-                        placed[i] = got
+                        placed[i] = got = allocate(freeing, step.sizes, placed[i])
                         peak = max(peak, table.place(first[i], got))
                     if k.compute:
                         addresses = [entry.address for entry in rows[i]]
@@ -446,17 +428,27 @@ class PlanExecutor:
                             addresses.extend(input_address[n] for n in k.inputs)
                         if generation is not None and generation() != calls.generation:
                             calls = self._calls_for(state, model)  # the pool gave memory back meanwhile
-                        launch(stream, partial(calls.call, run_inputs, i, addresses),
-                               blocks=k.blocks, cu_cap=cu_cap, name=k.kernel.name, duration_s=k.duration_s)
-                        if profile:
-                            events.append(self._record(stream))
-                            timed.append(i)
+                        call = partial(calls.call, run_inputs, i, addresses)
+                        launch(i, (call, k.blocks, cu_cap, k.kernel.name, k.duration_s))
                     if step.last:
                         table.retire(last[i], spent)
+            issue.finish()
         finally:
-            if spent:
-                self._free_batch(spent, stream)
+            try:
+                if spent:
+                    self._free_batch(spent, stream)
+            finally:
+                issue.close()
         return peak
+
+    def _run_issue(
+        self, stream: Stream, result: RunResult, on_kernel: Callable[[int, Kernel], None] | None
+    ) -> IssueOne | IssueSegments:
+        """How this run's kernels reach the device (`run_issue`)."""
+        profile = (result._events, result._timed, self._record) if result._events else None
+        if self._segments and profile is None and on_kernel is None:
+            return IssueSegments(self.runtime, stream, self.allocator, self._free_and_allocate)
+        return IssueOne(self.runtime, stream, self._free_and_allocate, profile)
 
     @staticmethod
     def _take_outputs(instance: Hashable, state: _Instance, program: PlanProgram) -> dict[str, DeviceTensor]:

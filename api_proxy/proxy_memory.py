@@ -96,6 +96,12 @@ class ReclaimingAllocator:
     def fence(self, stream: Stream, event: Any = None) -> None:
         self.pool.fence(stream, event)
 
+    def hold_fences(self, stream: Stream) -> None:
+        self.pool.hold_fences(stream)
+
+    def release_fences(self, stream: Stream, *, hold: bool = False) -> None:
+        self.pool.release_fences(stream, hold=hold)
+
     def retire_stream(self, stream: Stream, timeout_s: float | None = None) -> bool:
         return self.pool.retire_stream(stream, timeout_s)
 

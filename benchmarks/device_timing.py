@@ -66,6 +66,10 @@ def _child() -> None:
     sleep_until(start_at)
     if job["scenario"] == "copy":
         rt.copy_htod_async(address, host, job["nbytes"], stream)
+    elif job.get("segment"):  # `launch_many`, `segment` kernels at a time (the executor's segments)
+        launch = (lambda: None, job["blocks"], None, "kernel", job["duration_s"])
+        for done in range(0, job["kernels"], job["segment"]):
+            rt.launch_many(stream, [launch] * min(job["segment"], job["kernels"] - done))
     else:
         for _ in range(job["kernels"]):
             rt.launch(stream, lambda: None, blocks=job["blocks"], duration_s=job["duration_s"])

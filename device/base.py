@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 CopyKind = Literal["htod", "dtoh", "dtod", "peer"]
+
+#: One kernel of `Runtime.launch_many`: (kernel, blocks, cu_cap, name, duration_s), `launch`'s arguments.
+#: A plain tuple: a plan's issue loop builds one per kernel, where a named tuple costs ten times more.
+KernelLaunch = tuple[Callable[[], object], int, "int | None", str, "float | None"]
 
 #: Allocation granularity of device memory and of the pool: every address is a multiple of this.
 ALIGNMENT = 256
@@ -280,6 +284,13 @@ class Runtime(abc.ABC):
         emulated device in timed mode occupies the stream and units that long instead of running
         `kernel` (longer with fewer units); in functional mode and on CUDA it is ignored.
         """
+
+    def launch_many(self, stream: Stream, launches: Sequence[KernelLaunch]) -> None:
+        """`launch` each of `launches` on `stream`, in order: the same work as launching them one by
+        one, which a backend may issue in one step (the emulated device: one operation of its stream,
+        one placement transaction in timed mode; a CUDA graph is the GPU's analogue). Default: a loop."""
+        for kernel, blocks, cu_cap, name, duration_s in launches:
+            self.launch(stream, kernel, blocks=blocks, cu_cap=cu_cap, name=name, duration_s=duration_s)
 
     def issuing(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
         """A block in which this thread launches many kernels on `stream` (a plan's run): a backend

@@ -88,6 +88,14 @@ class ComputeUnits:
             with self._mutex:
                 self._fold_locked()
 
+    def account_many(self, kernels: list[tuple[int, str, float]]) -> None:
+        """`account(units, name, seconds)` for each of `kernels`, in one step (a stream's segment)."""
+        deferred = self._deferred
+        deferred.extend(kernels)  # deque.extend of a list: atomic under the GIL, as append
+        if len(deferred) >= DEFER_LIMIT:
+            with self._mutex:
+                self._fold_locked()
+
     def _fold_locked(self) -> None:
         """Fold the deferred timed kernels into the statistics. Caller holds the lock."""
         deferred, kernels = self._deferred, self._kernels

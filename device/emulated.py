@@ -56,7 +56,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -71,6 +71,7 @@ from .base import (
     HostBuffer,
     InvalidAddress,
     KernelError,
+    KernelLaunch,
     MemoryPool,
     Runtime,
     Stream,
@@ -491,70 +492,150 @@ class EmulatedRuntime(Runtime):
         else:
             units = units_for(blocks, cu_cap, self.units)
         if self.timed:
-            self._launch_timed(s, blocks, units, name, duration_s)
+            item = (min(blocks, self.spec.compute_units), units, name, self._duration(name, duration_s),
+                    duration_s is None)
+
+            def place(ready: float) -> float:
+                now = time.perf_counter()
+                with self._place_lock:
+                    placed = self._place_locked(self._place_busy, ready, now, *item)
+                self._account_placed(s, name, placed)
+                return placed[1]
+
+            s.enqueue(place, inline=True)
             return
 
         def run(ready: float) -> float:
-            self._compute.acquire(units)
-            start = time.perf_counter()
-            error: Exception | None = None
-            try:
-                kernel()
-            except Exception as exc:
-                error = exc
-            finally:
-                end = time.perf_counter()
-                self._compute.release(units, name, end - start, failed=error is not None)
-                self._record(TimelineRecord(s.lane, "kernel", name, start, end, 0, units))
-            if error is not None:
-                raise KernelError(
-                    name, f"kernel {name!r} failed on {s.lane}: {type(error).__name__}: {error}"
-                ) from error
-            return end
+            return self._run_kernel(s, kernel, units, name)
 
         s.enqueue(run)
 
-    def _launch_timed(
-        self, s: EmulatedStream, blocks: int, want: int, name: str, duration_s: float | None
-    ) -> None:
-        if duration_s is None:
-            duration = self.spec.fallback_kernel_s
-        elif duration_s < 0 or not math.isfinite(duration_s):
-            raise ValueError(f"kernel {name!r}: duration_s must be a finite number >= 0, got {duration_s}")
-        else:
-            duration = duration_s
-        full = min(blocks, self.spec.compute_units)
-        mps = self.gpu_percent is not None
+    def launch_many(self, stream: Stream, launches: Sequence[KernelLaunch]) -> None:
+        """One operation of `stream` for all of `launches` (one lock, one queue entry; in timed mode one
+        placement transaction on the device ledger, each kernel placed after the one before it, as
+        the stream would), instead of one per kernel: a plan's run issued a segment at a time."""
+        if self._closed:
+            self._check_open()
+        s = stream if type(stream) is EmulatedStream and stream._runtime is self else self.own_stream(stream)
+        capacity = self.units
+        units = [  # `units_for`, inlined on the common path as in `launch`
+            (blocks if blocks < capacity else capacity) if cu_cap is None and blocks >= 1
+            else units_for(blocks, cu_cap, capacity)
+            for _, blocks, cu_cap, _, _ in launches
+        ]
+        if self.timed:
+            full_max = self.spec.compute_units
+            items = [
+                (min(blocks, full_max), want, name, self._duration(name, duration), duration is None)
+                for (_, blocks, _, name, duration), want in zip(launches, units, strict=True)
+            ]
+            names = [item[2] for item in items]
 
-        def place(ready: float) -> float:
-            now = time.perf_counter()
-            with self._place_lock:
-                placed = self._placed  # sorted by end: what ends before `ready` cannot matter
-                if placed and placed[0][1] <= now:
-                    del placed[: bisect.bisect_right(placed, now, key=_end)]
-                own = placed[bisect.bisect_right(placed, ready, key=_end) :] if placed else ()
-                if len(own) <= NEAR_KERNELS:  # the common case: a short backlog, the search as is
-                    start, end, units = self._ledger.place_busy(
-                        self._slot, mps, ready, now, place_kernel, ready, duration, full, want, self.units,
-                        own,
-                    )
-                else:  # a long backlog (a host far ahead of the device): the near search first
-                    start, end, units = self._ledger.place_busy(
-                        self._slot, mps, ready, now, place_kernel_near, self._longest, ready, duration, full,
-                        want, self.units, own,
-                    )
-                bisect.insort(placed, (start, end, units), key=_end)
-                if end - start > self._longest:
-                    self._longest = end - start
-                self._timed_kernels += 1
-                self._fallback_kernels += duration_s is None
-                self._kernel_seconds += end - start
-            self._compute.account(units, name, end - start)
-            if self._timeline_on:
-                self._timeline.append((s.lane, "kernel", name, start, end, 0, units))
+            def place_all(ready: float) -> float:
+                now = time.perf_counter()
+                placed: list[Placed] = []
+                busy_batch = self._ledger.busy_batch(self._slot, self.gpu_percent is not None)
+                with self._place_lock, busy_batch as batch:  # this lock order, as `place` nests them
+                    end = ready
+                    for item in items:
+                        placed.append(self._place_locked(batch.place, end, now, *item))
+                        end = placed[-1][1]
+                named = list(zip(names, placed, strict=True))
+                self._compute.account_many([(used, name, stop - go) for name, (go, stop, used) in named])
+                if self._timeline_on:
+                    lane = s.lane
+                    self._timeline.extend((lane, "kernel", name, *one[:2], 0, one[2]) for name, one in named)
+                return end
+
+            s.enqueue(place_all, inline=True)
+            return
+        kernels = [(launch[0], want, launch[3]) for launch, want in zip(launches, units, strict=True)]
+
+        def run_all(ready: float) -> float:
+            end, failures = ready, []
+            for kernel, units, name in kernels:
+                try:
+                    end = self._run_kernel(s, kernel, units, name)
+                except KernelError as exc:  # the rest still run, as separate launches would
+                    failures.append(exc)
+            if failures:
+                if len(failures) > 1:
+                    failures[0].add_note(f"{len(failures) - 1} more kernels of this launch failed after it")
+                raise failures[0]
             return end
 
-        s.enqueue(place, inline=True)
+        s.enqueue(run_all)
+
+    def _run_kernel(self, s: EmulatedStream, kernel: Callable[[], object], units: int, name: str) -> float:
+        """Functional mode, on the stream's worker: run `kernel` on `units` compute units; its end."""
+        self._compute.acquire(units)
+        start = time.perf_counter()
+        error: Exception | None = None
+        try:
+            kernel()
+        except Exception as exc:
+            error = exc
+        finally:
+            end = time.perf_counter()
+            self._compute.release(units, name, end - start, failed=error is not None)
+            self._record(TimelineRecord(s.lane, "kernel", name, start, end, 0, units))
+        if error is not None:
+            raise KernelError(
+                name, f"kernel {name!r} failed on {s.lane}: {type(error).__name__}: {error}"
+            ) from error
+        return end
+
+    def _duration(self, name: str, duration_s: float | None) -> float:
+        """Timed mode: a kernel's modelled time, the spec's fallback when it has none."""
+        if duration_s is None:
+            return self.spec.fallback_kernel_s
+        if duration_s < 0 or not math.isfinite(duration_s):
+            raise ValueError(f"kernel {name!r}: duration_s must be a finite number >= 0, got {duration_s}")
+        return duration_s
+
+    def _place_busy(self, ready: float, now: float, fit: Callable[..., Placed], *fit_args: object) -> Placed:
+        """One kernel's placement on the device ledger, in a transaction of its own."""
+        return self._ledger.place_busy(self._slot, self.gpu_percent is not None, ready, now, fit, *fit_args)
+
+    def _place_locked(
+        self,
+        place_busy: Callable[..., Placed],
+        ready: float,
+        now: float,
+        full: int,
+        want: int,
+        name: str,
+        duration: float,
+        fallback: bool,
+    ) -> Placed:
+        """Timed mode: place one kernel that may start at `ready` among this context's own kernels
+        and, through `place_busy` (the device ledger: `_place_busy`, or a `BusyBatch`'s), every other
+        context's; `_place_lock` held."""
+        placed = self._placed  # sorted by end: what ends before `ready` cannot matter
+        if placed and placed[0][1] <= now:
+            del placed[: bisect.bisect_right(placed, now, key=_end)]
+        own = placed[bisect.bisect_right(placed, ready, key=_end) :] if placed else ()
+        if len(own) <= NEAR_KERNELS:  # the common case: a short backlog, the search as is
+            start, end, units = place_busy(
+                ready, now, place_kernel, ready, duration, full, want, self.units, own
+            )
+        else:  # a long backlog (a host far ahead of the device): the near search first
+            start, end, units = place_busy(
+                ready, now, place_kernel_near, self._longest, ready, duration, full, want, self.units, own
+            )
+        bisect.insort(placed, (start, end, units), key=_end)
+        if end - start > self._longest:
+            self._longest = end - start
+        self._timed_kernels += 1
+        self._fallback_kernels += fallback
+        self._kernel_seconds += end - start
+        return start, end, units
+
+    def _account_placed(self, s: EmulatedStream, name: str, placed: Placed) -> None:
+        start, end, units = placed
+        self._compute.account(units, name, end - start)
+        if self._timeline_on:
+            self._timeline.append((s.lane, "kernel", name, start, end, 0, units))
 
     def timed_stats(self) -> dict[str, float]:
         """Timed mode: kernels placed, those that had no `duration_s` (placed at the fallback

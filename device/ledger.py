@@ -35,7 +35,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -468,6 +468,29 @@ class Ledger:
             finally:
                 lock.release()
 
+    @contextlib.contextmanager
+    def busy_batch(self, slot: int, mps: bool) -> Iterator[BusyBatch]:
+        """`place_busy` for several kernels of `slot`'s context in one transaction: the device lock,
+        the busy generation and the intervals that block the context are read once; each kernel's
+        interval is recorded as it is placed (`BusyBatch.place`), the generation moved once at the
+        end. A stream's segment of kernels (`EmulatedRuntime.launch_many`)."""
+        with self._locked():
+            generation = _BUSY_GENERATION.unpack_from(self._map, _BUSY_GENERATION_OFFSET)[0]
+            cached = self._blocking.get((slot, mps))
+            if cached is None or cached[0] != generation:
+                cached = (generation, self._others(slot, mps))
+            batch = BusyBatch(self, slot, mps, cached[1])
+            try:
+                yield batch
+            finally:
+                batch.flush()
+                if batch.placed:
+                    if batch.overwrote:
+                        self._blocking.pop((slot, mps), None)
+                    else:  # our own records do not change what blocks us (as in `place_busy`)
+                        self._blocking[slot, mps] = (generation + 1, cached[1])
+                    _BUSY_GENERATION.pack_into(self._map, _BUSY_GENERATION_OFFSET, generation + 1)
+
     def _others(self, slot: int, mps: bool) -> list[tuple[float, float]]:
         """Busy intervals of the contexts that block `slot`'s kernels. Caller holds the lock."""
         return [
@@ -539,6 +562,43 @@ class _DeviceLock:
                 fcntl.flock(ledger._fd, fcntl.LOCK_UN)
         finally:
             ledger._lock.release()
+
+
+class BusyBatch:
+    """One transaction of `Ledger.busy_batch`: `place` as `Ledger.place_busy` places, the lock held.
+    Kernels placed back to back make one interval, written once (`flush`): no other process reads
+    the records before the transaction ends."""
+
+    __slots__ = ("_ledger", "_slot", "_mps", "_others", "_now", "_run", "placed", "overwrote")
+
+    def __init__(self, ledger: Ledger, slot: int, mps: bool, others: list[tuple[float, float]]) -> None:
+        self._ledger, self._slot, self._mps, self._others = ledger, slot, mps, others
+        self._now = 0.0
+        self._run: list[float] | None = None  # [start, end] of the back-to-back kernels not yet written
+        self.placed = 0
+        self.overwrote = False  # another context's record was reused: its cache is stale
+
+    def place(self, ready: float, now: float, fit: Callable[..., Placed], *fit_args: object) -> Placed:
+        others = self._others
+        blocked = [b for b in others if b[1] > ready] if others else others
+        placed = fit(*fit_args, blocked)
+        run = self._run
+        if run is not None and run[0] <= placed[0] <= run[1] + 1e-9:  # touches the run: one interval
+            if placed[1] > run[1]:
+                run[1] = placed[1]
+        else:
+            self.flush()
+            self._run = [placed[0], placed[1]]
+        self._now = now
+        self.placed += 1
+        return placed
+
+    def flush(self) -> None:
+        run = self._run
+        if run is not None:
+            self._run = None
+            if not self._ledger._add_busy_locked(self._slot, self._mps, run[0], run[1], self._now):
+                self.overwrote = True
 
 
 @dataclass(frozen=True)

@@ -295,6 +295,8 @@ class DeviceMemoryPool:
         self._live: dict[int, int] = {}  # address -> requested bytes
         self._demand = 0
         self._streams: dict[Stream, _StreamFrees] = {}
+        # Streams whose fences wait (`hold_fences`): stream -> [holds, a fence was asked for meanwhile]
+        self._holds: dict[Stream, list] = {}
         self._token = 0
         self.counters = PoolCounters()
         self.metrics: PoolMetrics | None = (
@@ -415,6 +417,45 @@ class DeviceMemoryPool:
             raise
         return got
 
+    def hold_fences(self, stream: Stream) -> None:
+        """Until `release_fences(stream)`, no fence is recorded on `stream` without its caller's event:
+        one the pool would record now (its thresholds, the periodic sweep, another stream's slow path)
+        is recorded at the release instead. For a caller that frees blocks before it launches the
+        kernels that use them last (the executor issues a run's kernels a segment at a time): a fence
+        recorded in between would give a block to every stream while a kernel launched after it
+        still uses it. The stream itself may reuse its pending blocks at once, as stream order runs
+        the kernels launched first before the ones that reuse them. Holds nest."""
+        with self._lock:
+            hold = self._holds.get(stream)
+            if hold is None:
+                self._holds[stream] = [1, False]
+            else:
+                hold[0] += 1
+
+    def release_fences(self, stream: Stream, *, hold: bool = False) -> None:
+        """End a `hold_fences(stream)`: the kernels of the frees so far are launched, so a fence asked
+        for meanwhile, or one the thresholds call for, is recorded now. `hold=True`: hold again at
+        once (a segment launched, the next one begins), under the same acquisition of the lock."""
+        with self._lock:
+            held = self._holds.get(stream)
+            if held is None:
+                raise ValueError(f"release_fences: the fences of {stream!r} are not held")
+            if held[0] > 1:  # an outer hold goes on: its release records the fence
+                held[0] -= not hold
+                return
+            due = held[1]
+            if hold:
+                held[1] = False
+            else:
+                del self._holds[stream]
+            frees = self._streams.get(stream)
+            if frees is not None and frees.unfenced and (due or self._fence_due(frees)):
+                self._fence_locked(frees, None, force=True)
+
+    def _fence_due(self, frees: _StreamFrees) -> bool:
+        config = self.config
+        return frees.unfenced_bytes >= config.fence_bytes or len(frees.unfenced) >= config.fence_frees
+
     def free_and_try_allocate(
         self, addresses: Sequence[int], sizes: Sequence[int], stream: Stream
     ) -> list[int]:
@@ -505,8 +546,7 @@ class DeviceMemoryPool:
             self._demand -= freed_demand
             frees.unfenced_bytes += freed_bytes
             frees.pending_bytes += freed_bytes
-        config = self.config
-        if frees.unfenced_bytes >= config.fence_bytes or len(unfenced) >= config.fence_frees:
+        if self._fence_due(frees):
             self._fence_locked(frees, None)
         if frees.fenced and frees.fenced[0][0].query():
             # Only this stream's completed fences here (one query): the others are collected
@@ -611,9 +651,14 @@ class DeviceMemoryPool:
                 f"free of device address {address:#x}: not a live allocation of this pool (double free?)"
             ) from None
 
-    def _fence_locked(self, frees: _StreamFrees, event: Event | None) -> None:
+    def _fence_locked(self, frees: _StreamFrees, event: Event | None, *, force: bool = False) -> None:
         if not frees.unfenced:
             return
+        if event is None and self._holds and not force:
+            held = self._holds.get(frees.stream)
+            if held is not None:  # `hold_fences`: recorded at the release
+                held[1] = True
+                return
         if event is None:
             event = self.runtime.create_event(timing=False)
             event.record(frees.stream)

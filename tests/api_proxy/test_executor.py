@@ -283,6 +283,48 @@ def test_a_warm_instance_sharing_its_pool_with_its_weights_binds_nothing_after_i
     assert binds[-1] == binds[-2], binds  # the first swept run may move; the next ones keep theirs
 
 
+def _scribbling_sweep(runtime, mem, stream, freed_sizes):
+    """A `launch_many` that, before each segment, does what the rest of a proxy may do meanwhile: the
+    periodic sweep (fence, wait, collect), then another stream takes every block it can of the sizes
+    this run frees and writes NaN into them. A block freed before its last kernel is launched, and
+    fenced in between, would be one of them."""
+    other, launch_many = runtime.create_stream(), runtime.launch_many
+
+    def sweep_then_launch(on_stream, launches):
+        mem.collect(fence=True)
+        stream.synchronize()
+        mem.collect()
+        taken = [(a, size) for size in freed_sizes for a in mem.free_and_try_allocate([], [size] * 4, other)]
+        for address, size in taken:
+            view = runtime.view(address, torch.float32, (size // 4,))
+            runtime.launch(other, lambda view=view: view.fill_(float("nan")), name="scribble")
+        other.synchronize()
+        mem.free_many([a for a, _ in taken], other)
+        launch_many(on_stream, launches)
+
+    return sweep_then_launch
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
+def test_a_run_launched_in_segments_keeps_its_blocks_from_other_streams_until_launched(
+    name, pool, zoo_model, runtime, monkeypatch
+):
+    """The kernels are launched a segment at a time (`run_issue`), after the frees of the blocks they
+    use last: the pool holds the stream's fences until the launch, so however often the sweep and
+    another stream come in between, no kernel reads a block another stream wrote (without the hold
+    every output is NaN)."""
+    plan, mem, stream, model, x, handle = _setup(pool, runtime, name)
+    executor = PlanExecutor(runtime, mem)
+    want = _eager(zoo_model, name, x)[0]
+    _checked_run(runtime, executor, model, handle, mem, stream, want)  # warm: the sizes it frees
+    freed_sizes = sorted({256 * -(-spec.nbytes // 256) for spec in model.program.specs.values()})
+    monkeypatch.setattr(runtime, "launch_many", _scribbling_sweep(runtime, mem, stream, freed_sizes))
+    fences = mem.counters.fences
+    for _ in range(2):
+        _checked_run(runtime, executor, model, handle, mem, stream, want)
+    assert mem.counters.fences > fences  # fences were recorded: at each segment's launch, after it
+
+
 def test_with_an_allocator_that_keeps_no_release_generation_calls_live_for_one_run(pool, zoo_model, runtime):
     name = "resnet18"
     shape = get_entry(name).small_input_shape

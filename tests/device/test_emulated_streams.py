@@ -170,6 +170,33 @@ def test_kernel_exception_is_isolated_to_its_stream(rt):
     assert rt.compute_stats().kernels["again"].errors == 1
 
 
+def test_launch_many_runs_a_segment_in_order_and_reports_its_first_failure(rt):
+    """`launch_many` is one operation of the stream: its kernels run in order after the work before
+    it and before the work after it; a failing kernel does not stop the rest, as separate launches."""
+    s = rt.create_stream()
+    ran = []
+
+    def boom(tag):
+        ran.append(tag)
+        raise ValueError(tag)
+
+    rt.launch(s, lambda: ran.append("before"), name="before")
+    rt.launch_many(s, [
+        (lambda: ran.append("k0"), 2, None, "k0", None),
+        (lambda: boom("k1"), 100, 3, "k1", None),
+        (lambda: boom("k2"), 1, None, "k2", None),
+        (lambda: ran.append("k3"), 4, None, "k3", None),
+    ])
+    rt.launch(s, lambda: ran.append("after"), name="after")
+    with pytest.raises(KernelError, match="'k1'") as info:
+        s.synchronize()
+    assert ran == ["before", "k0", "k1", "k2", "k3", "after"]
+    assert info.value.kernel == "k1" and "1 more kernels of this launch failed" in str(info.value.__notes__)
+    stats = rt.compute_stats()
+    assert stats.kernels["k1"].compute_units == 3 and stats.kernels["k2"].errors == 1  # cap and errors kept
+    assert stats.kernels["k3"].launches == 1
+
+
 def test_compute_units_honour_blocks_and_cap(rt, spec):
     assert spec.compute_units == 8
     assert units_for(100, None, 8) == 8

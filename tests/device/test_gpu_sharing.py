@@ -42,6 +42,17 @@ def test_two_processes_kernels_never_overlap_without_mps(tmp_path):
     assert makespan == pytest.approx(2 * 10 * 5e-3, rel=0.05)  # time-sliced: one after the other
 
 
+def test_two_processes_kernels_launched_in_segments_never_overlap_either(tmp_path):
+    """`launch_many` places a segment in one ledger transaction; the other context still sees
+    every kernel of it (and one-by-one launches beside it)."""
+    segments = {**KERNELS, "segment": 4}
+    reports = device_timing.run_contexts([segments, KERNELS], tmp_path)
+    a, b = (device_timing._spans(r, "kernel") for r in reports)
+    assert len(a) == len(b) == 10
+    assert device_timing.overlap_seconds(a, b) == 0.0
+    assert sum(end - start for start, end in a) == pytest.approx(10 * KERNELS["duration_s"], rel=1e-6)
+
+
 def test_two_mps_clients_of_half_the_gpu_run_side_by_side(tmp_path):
     jobs = [{**KERNELS, "gpu_percent": 50}] * 2
     reports = device_timing.run_contexts(jobs, tmp_path)

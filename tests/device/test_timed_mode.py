@@ -266,3 +266,35 @@ def test_a_pageable_transfer_ends_after_its_last_staged_chunk():
     assert transfer_floor(issued=0.0, staged=0.005, cost=0.010, last_chunk_cost=0.001) == 0.0
     # staging slower than the link: the transfer ends one chunk's DMA after the staging
     assert transfer_floor(issued=0.0, staged=0.020, cost=0.010, last_chunk_cost=0.001) == pytest.approx(0.011)
+
+
+def test_launch_many_places_a_segment_as_launches_one_by_one_would(tmp_path):
+    """One placement transaction for a segment: the same intervals as five launches, in stream order
+    after the work before it (another context sees them: tests/device/test_gpu_sharing.py)."""
+    durations = [0.004, 0.001, 0.003, 0.002, 0.005]
+    placed = {}
+    for way in ("one by one", "launch_many"):
+        backend = EmulatedBackend(spec=SMALL_SPEC, state_dir=tmp_path / way, mode="timed")
+        rt = backend.open_runtime(0)
+        s = rt.create_stream()
+        rt.launch(s, lambda: None, blocks=8, duration_s=0.01, name="before")
+        launches = [(lambda: None, 4, None, f"k{i}", d) for i, d in enumerate(durations)]
+        if way == "one by one":
+            for kernel, blocks, cap, name, d in launches:
+                rt.launch(s, kernel, blocks=blocks, cu_cap=cap, name=name, duration_s=d)
+        else:
+            rt.launch_many(s, launches)
+        s.synchronize()
+        kernels = _kernels(rt)
+        origin = kernels[0].start
+        placed[way] = [(k.name, k.start - origin, k.end - origin, k.compute_units) for k in kernels]
+        assert sum(k.launches for k in rt.compute_stats().kernels.values()) == 6
+        rt.close()
+        backend.close()
+    assert [p[0] for p in placed["launch_many"]] == ["before", "k0", "k1", "k2", "k3", "k4"]
+    for one, many in zip(placed["one by one"], placed["launch_many"], strict=True):
+        assert one[0] == many[0] and one[3] == many[3]
+        assert many[2] - many[1] == pytest.approx(one[2] - one[1], rel=1e-9)  # the same durations
+    ends = [p[2] for p in placed["launch_many"]]
+    starts = [p[1] for p in placed["launch_many"]]
+    assert starts[1:] == pytest.approx(ends[:-1], abs=1e-9)  # back to back, in stream order

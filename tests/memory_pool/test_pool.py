@@ -71,6 +71,47 @@ def test_a_free_is_stream_ordered_same_stream_reuses_at_once(runtime) -> None:
     assert pool.allocate(4096, b) == x
 
 
+def test_a_held_stream_gets_no_fence_until_its_kernels_are_launched(runtime) -> None:
+    """`hold_fences`: a block freed before the kernel that uses it last is launched (the executor's
+    segments) stays the stream's until the release; the sweep's fence waits for it."""
+    pool = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1))
+    a, b = runtime.create_stream(), runtime.create_stream()
+    x = pool.allocate(4096, a)
+    pool.hold_fences(a)
+    pool.free(x, a)  # its last user is not launched yet
+    fences = pool.counters.fences
+    pool.collect(fence=True)  # the periodic sweep
+    a.synchronize()
+    pool.collect()
+    assert pool.counters.fences == fences  # no fence recorded on `a` under the hold...
+    assert pool.allocate(4096, b) != x  # ...so no other stream can take the block
+    assert pool.allocate(4096, a) == x  # while the stream itself may, at once
+    pool.free(x, a)
+    used_last = threading.Event()
+    runtime.launch(a, used_last.set, name="the block's last user")
+    pool.release_fences(a)  # launched: the fence asked for meanwhile is recorded now, after it
+    assert pool.counters.fences == fences + 1
+    a.synchronize()
+    assert used_last.is_set() and pool.collect() == 4096
+    assert pool.allocate(4096, b) == x
+
+
+def test_fence_holds_nest_and_a_release_without_a_hold_is_an_error(runtime) -> None:
+    pool = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1))
+    s = runtime.create_stream()
+    pool.hold_fences(s)
+    pool.hold_fences(s)
+    pool.free(pool.allocate(1024, s), s)
+    fences = pool.counters.fences
+    pool.release_fences(s, hold=True)  # the inner holder's segment: the outer hold still stands
+    pool.release_fences(s)
+    assert pool.counters.fences == fences
+    pool.release_fences(s)
+    assert pool.counters.fences == fences + 1
+    with pytest.raises(ValueError, match="not held"):
+        pool.release_fences(s)
+
+
 def test_a_reused_block_freed_again_waits_for_its_second_free(runtime) -> None:
     pool = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1))
     a, b = runtime.create_stream(), runtime.create_stream()
