@@ -24,7 +24,8 @@ Recycling runs at the kernel boundary (default) or on a background thread callin
 (the paper's recycler; measured against each other in `benchmarks/bench_memory_pool.py`).
 
 Each issued kernel is written to a `PositionBoard` (kernel index, issue time, bytes held), which the
-pool's resilient scaler reads. `on_kernel(i, kernel)` is called as each kernel is issued.
+pool's resilient scaler reads. `on_kernel(i, kernel)` is called as each kernel is issued (before
+it; earlier kernels may still wait in the run's segment: `run_issue.launch_pending`).
 
 Device bytes come from an `Allocator`; the models the executor runs are `DeviceModel`s, resident
 weights and all (both in `device_model`, re-exported here).
@@ -394,7 +395,7 @@ class PlanExecutor:
         result: RunResult,
     ) -> int:
         """The hot loop on the plan's `AccessSchedule`: one allocator call per kernel (module doc),
-        carried out by `run_issue` (a segment at a time, or one by one under a profile or a hook)."""
+        carried out by `run_issue` (a segment at a time, or one by one under a profile)."""
         program, table, lock, rows = model.program, state.table, state.lock, state.rows
         steps, first, last, registered = state.steps, state.first, state.last, state.program  # from `_enter`
         assert steps is not None  # `run` chose this path by it
@@ -446,7 +447,7 @@ class PlanExecutor:
     ) -> IssueOne | IssueSegments:
         """How this run's kernels reach the device (`run_issue`)."""
         profile = (result._events, result._timed, self._record) if result._events else None
-        if self._segments and profile is None and on_kernel is None:
+        if self._segments and profile is None:
             return IssueSegments(self.runtime, stream, self.allocator, self._free_and_allocate)
         return IssueOne(self.runtime, stream, self._free_and_allocate, profile)
 

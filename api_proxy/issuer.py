@@ -40,6 +40,7 @@ from typing import Any
 from streambox.device import Stream
 
 from .executor import RunResult
+from .run_issue import launch_pending
 
 DEFAULT_SLICE_KERNELS = 8
 DEFAULT_ISSUERS = 2
@@ -139,8 +140,10 @@ class IssueTicket:
         self._count += 1
         if self._count % self._slice == 0:
             if self._has_floor and self._floor.contended():
+                launch_pending()  # the device runs this plan's issued kernels while others issue
                 self._has_floor = self._floor.pass_on(self._stop)
             if self._waiting or self._contended():
+                launch_pending()
                 self._turn.clear()
                 self._waiting.append(self._turn)  # list.append: atomic under the GIL
                 self._wake()

@@ -12,12 +12,15 @@ launched after the fence still uses it. What must wait (growing the pool, a recl
 frees) waits with nothing left unlaunched.
 
 Segments start at `FIRST_SEGMENT` kernels and double up to `SEGMENT_KERNELS`, so the device gets its
-first kernels early whatever the plan's length. A run observed kernel by kernel (a profile's
-per-kernel events, an `on_kernel` hook) is issued one by one.
+first kernels early whatever the plan's length. An `on_kernel` hook runs before each kernel as
+before, with the kernels before it possibly not launched yet: a hook about to wait (the issuer's
+turn, weights still arriving) calls `launch_pending()` first, so the device does not wait with
+them. A profiled run (an event after each kernel) is issued one by one.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 from streambox.device import Event, KernelLaunch, Runtime, Stream
@@ -28,6 +31,16 @@ from .device_model import Allocator, free_all
 FIRST_SEGMENT, SEGMENT_KERNELS = 4, 32
 
 FreeAndAllocate = Callable[..., list[int]]
+
+_issuing = threading.local()  # .segments: the IssueSegments of the run this thread is issuing
+
+
+def launch_pending() -> None:
+    """Launch what the run this thread is issuing has not launched yet (nothing outside a run): for
+    an `on_kernel` hook about to wait, so the device runs those kernels meanwhile."""
+    segments = getattr(_issuing, "segments", None)
+    if segments is not None:
+        segments.flush()
 
 
 class IssueOne:
@@ -76,11 +89,13 @@ class IssueSegments:
         self._pending: list[KernelLaunch] = []
         self._limit = FIRST_SEGMENT
         allocator.hold_fences(stream)  # type: ignore[attr-defined]
+        self._outer = getattr(_issuing, "segments", None)  # a run issued from another's hook
+        _issuing.segments = self
 
     def allocate(self, freeing: list[int], sizes: Sequence[int], prefer: list[int]) -> list[int]:
         got = self._free_and_allocate(freeing, sizes, self._stream, prefer=prefer, fast_only=True)
         if len(got) < len(sizes):  # the slow path may wait for this stream's own frees: launch first
-            self._flush()
+            self.flush()
             try:
                 for nbytes in sizes[len(got) :]:
                     got.append(self._allocator.allocate(nbytes, stream=self._stream))
@@ -93,9 +108,9 @@ class IssueSegments:
         pending = self._pending
         pending.append(launch)
         if len(pending) >= self._limit:
-            self._flush()
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """The segment's kernels, then the fences their frees waited for (the hold goes on)."""
         if self._pending:
             self._runtime.launch_many(self._stream, self._pending)
@@ -112,6 +127,7 @@ class IssueSegments:
         # A run that failed midway drops its unlaunched kernels: never issued, they use nothing, and
         # what they would have used is freed after the kernels that were.
         self._pending.clear()
+        _issuing.segments = self._outer
         self._release(self._stream)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from streambox.api_proxy.device_tensor import download_tensor, upload_tensor
 from streambox.api_proxy.executor import PlanExecutor, StreamPoolAllocator, free_model, upload_model
+from streambox.api_proxy.run_issue import launch_pending
 from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import V100_16GB, GiB
 from streambox.kernel_compiler.memory_profile import profile_plan
@@ -323,6 +324,36 @@ def test_a_run_launched_in_segments_keeps_its_blocks_from_other_streams_until_la
     for _ in range(2):
         _checked_run(runtime, executor, model, handle, mem, stream, want)
     assert mem.counters.fences > fences  # fences were recorded: at each segment's launch, after it
+
+
+def test_a_hook_about_to_wait_launches_what_the_run_has_not_launched_yet(
+    pool, zoo_model, runtime, monkeypatch
+):
+    """Under segments an `on_kernel` hook sees earlier kernels possibly still pending; one that waits
+    (the issuer's turn, weights arriving) calls `launch_pending()` and finds them all launched."""
+    plan, mem, stream, model, x, handle = _setup(pool, runtime)
+    launched, launch_many = [], runtime.launch_many
+
+    def counting(on_stream, launches):
+        launched.extend(launches)
+        launch_many(on_stream, launches)
+
+    monkeypatch.setattr(runtime, "launch_many", counting)
+    compute = [k.kind != "view" for k in plan.kernels]
+    pending_seen = []
+
+    def waiting_hook(index, kernel):
+        before = sum(compute[:index])
+        pending_seen.append(before - len(launched))
+        if index % 10 == 9:
+            launch_pending()
+            assert len(launched) == before
+
+    result = PlanExecutor(runtime, mem).run(model, {"x": handle}, stream, on_kernel=waiting_hook)
+    got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+    torch.testing.assert_close(got, _eager(zoo_model, "resnet18", x)[0], **_tolerance(torch.float32))
+    assert len(launched) == sum(compute) and max(pending_seen) > 0  # segments, with the hook given
+    launch_pending()  # outside a run: nothing to do
 
 
 def test_with_an_allocator_that_keeps_no_release_generation_calls_live_for_one_run(pool, zoo_model, runtime):
