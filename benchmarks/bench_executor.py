@@ -16,6 +16,8 @@ turns (eager, then the executor), so both see the same load on the machine:
   emulated device runs them on CPU threads of this process. The ops themselves (and torch's dispatch
   of them) run on the stream's worker on the emulated device; the CUDA backend dispatches them on
   the issuing thread, inside `launch`, where they would add torch's dispatch time to this figure.
+- kernel by kernel: the same held run with the run's kernels launched one by one (`run_issue.IssueOne`)
+  instead of a segment at a time (`Runtime.launch_many`, the default), in the same turns, and the ratio.
 - of which the executor's own: the same run with a null allocator and a null device (nothing taken,
   nothing launched): the mapping table and the hot loop without the pool's and the device's share.
 - issue while the device computes, and end to end: a run issued with the emulated device free to
@@ -171,7 +173,8 @@ def measure(rt: Runtime, pool: ModelPool, name: str, shape: tuple[int, ...] | No
     model = upload_model(rt, plan, mem, stream)
     handle = upload_tensor(rt, x, mem.allocate, stream)
     executor = PlanExecutor(rt, mem)
-    samples: dict[str, list[float]] = {k: [] for k in ("eager", "host", "issue", "e2e")}
+    segments = executor._segments
+    samples: dict[str, list[float]] = {k: [] for k in ("eager", "host", "issue", "e2e", "one_by_one")}
 
     def run() -> RunResult:
         return executor.run(model, {plan.inputs[0]: handle}, stream, instance="f1")
@@ -197,9 +200,16 @@ def measure(rt: Runtime, pool: ModelPool, name: str, shape: tuple[int, ...] | No
         held = run()  # proxy issuing request after request, not that left by eager torch's forward
         gate.set()
         finish(held)
+        executor._segments = False  # the same, launched kernel by kernel (`run_issue.IssueOne`)
+        gate = _hold(rt, holder, stream)
+        one_by_one = run()
+        gate.set()
+        finish(one_by_one)
+        executor._segments = segments
         if i >= WARMUP:
             for key, value in (("eager", eager), ("host", held.stats.issue_seconds),
-                               ("issue", running.stats.issue_seconds), ("e2e", end_to_end)):
+                               ("issue", running.stats.issue_seconds), ("e2e", end_to_end),
+                               ("one_by_one", one_by_one.stats.issue_seconds)):
                 samples[key].append(value)
     binds = executor.calls_bound("f1")
     executor.release_instance("f1")
@@ -232,6 +242,8 @@ def _figures(
         "host_us_per_kernel_p50": host_us,
         "host_us_per_kernel_p90": statistics.quantiles(samples["host"], n=10)[-1] / kernels * 1e6,
         "host_vs_eager": host_us / eager_us,
+        "host_one_by_one_us_per_kernel_p50": p50["one_by_one"] / kernels * 1e6,
+        "segments_vs_one_by_one": p50["host"] / p50["one_by_one"],
         "executor_own_us_per_kernel": p50["own"] / kernels * 1e6,
         "issue_while_computing_us_per_kernel_p50": p50["issue"] / kernels * 1e6,
         "end_to_end_ms": p50["e2e"] * 1e3,
@@ -283,7 +295,8 @@ def print_mode(mode: str, results: list[dict], repeats: int) -> None:
     rows = [
         [r["model"], r["kernels"], r["eager_ops"], f"{r['eager_us_per_op']:.1f}",
          f"{r['host_us_per_kernel_p50']:.1f}", f"{r['host_us_per_kernel_p90']:.1f}",
-         f"{r['host_vs_eager']:.2f}x", f"{r['executor_own_us_per_kernel']:.1f}",
+         f"{r['host_vs_eager']:.2f}x", f"{r['host_one_by_one_us_per_kernel_p50']:.1f}",
+         f"{r['segments_vs_one_by_one']:.2f}x", f"{r['executor_own_us_per_kernel']:.1f}",
          f"{r['issue_while_computing_us_per_kernel_p50']:.1f}", f"{r['eager_ms']:.2f}",
          f"{r['end_to_end_ms']:.2f}", f"{r['end_to_end_vs_eager']:.2f}x"]
         for r in results
@@ -292,7 +305,8 @@ def print_mode(mode: str, results: list[dict], repeats: int) -> None:
         f"Host time per kernel: plan executor vs eager torch ({_device_words(mode)}, batch 1, small "
         f"inputs, median of {repeats} turns; goal: host p50 <= {GOAL_US:.0f} us and <= {GOAL_RATIO}x eager)",
         ["model", "kernels", "eager ops", "eager us/op (baseline)", "executor host us/kernel p50", "p90",
-         "host/eager", "of which the executor's own", "issue us/kernel, device computing", "eager ms",
+         "host/eager", "host, kernel by kernel (same turns)", "segments / kernel by kernel",
+         "of which the executor's own", "issue us/kernel, device computing", "eager ms",
          "executor end-to-end ms", "end-to-end/eager"],
         rows,
     )
