@@ -560,7 +560,8 @@ class EmulatedRuntime(Runtime):
                     failures.append(exc)
             if failures:
                 if len(failures) > 1:
-                    failures[0].add_note(f"{len(failures) - 1} more kernels of this launch failed after it")
+                    more = len(failures) - 1
+                    failures[0].add_note(f"{more} more kernel{'s' if more > 1 else ''} of this launch failed after it")
                 raise failures[0]
             return end
 

@@ -447,18 +447,11 @@ class Ledger:
             if self._depth == 1:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
                 filed = True
-            generation = _BUSY_GENERATION.unpack_from(self._map, _BUSY_GENERATION_OFFSET)[0]
-            cached = self._blocking.get((slot, mps))
-            if cached is None or cached[0] != generation:
-                cached = (generation, self._others(slot, mps))
+            cached = self._blocking_locked(slot, mps)
             blocked = [b for b in cached[1] if b[1] > ready] if cached[1] else cached[1]
             placed = fit(*fit_args, blocked)
-            if self._add_busy_locked(slot, mps, placed[0], placed[1], now):
-                # Our own record does not change what blocks us: the cache stays valid past our write.
-                self._blocking[slot, mps] = (generation + 1, cached[1])
-            else:
-                self._blocking.pop((slot, mps), None)
-            _BUSY_GENERATION.pack_into(self._map, _BUSY_GENERATION_OFFSET, generation + 1)
+            overwrote = not self._add_busy_locked(slot, mps, placed[0], placed[1], now)
+            self._wrote_busy_locked(slot, mps, cached, overwrote)
             return placed
         finally:
             self._depth -= 1
@@ -475,21 +468,36 @@ class Ledger:
         interval is recorded as it is placed (`BusyBatch.place`), the generation moved once at the
         end. A stream's segment of kernels (`EmulatedRuntime.launch_many`)."""
         with self._locked():
-            generation = _BUSY_GENERATION.unpack_from(self._map, _BUSY_GENERATION_OFFSET)[0]
-            cached = self._blocking.get((slot, mps))
-            if cached is None or cached[0] != generation:
-                cached = (generation, self._others(slot, mps))
+            cached = self._blocking_locked(slot, mps)
             batch = BusyBatch(self, slot, mps, cached[1])
             try:
                 yield batch
             finally:
                 batch.flush()
                 if batch.placed:
-                    if batch.overwrote:
-                        self._blocking.pop((slot, mps), None)
-                    else:  # our own records do not change what blocks us (as in `place_busy`)
-                        self._blocking[slot, mps] = (generation + 1, cached[1])
-                    _BUSY_GENERATION.pack_into(self._map, _BUSY_GENERATION_OFFSET, generation + 1)
+                    self._wrote_busy_locked(slot, mps, cached, batch.overwrote)
+
+    def _blocking_locked(self, slot: int, mps: bool) -> tuple[int, list[tuple[float, float]]]:
+        """(busy generation, the intervals of other contexts that block `slot`'s kernels), re-read
+        only when the generation moved under another writer. Caller holds the lock."""
+        generation = _BUSY_GENERATION.unpack_from(self._map, _BUSY_GENERATION_OFFSET)[0]
+        cached = self._blocking.get((slot, mps))
+        if cached is None or cached[0] != generation:
+            cached = (generation, self._others(slot, mps))
+        return cached
+
+    def _wrote_busy_locked(
+        self, slot: int, mps: bool, cached: tuple[int, list[tuple[float, float]]], overwrote: bool
+    ) -> None:
+        """After `slot` wrote its busy records: move the generation (other writers re-read); our own
+        records do not change what blocks us, so our cache stays valid past the write, unless we
+        reused another context's record. Caller holds the lock."""
+        generation = cached[0] + 1
+        if overwrote:
+            self._blocking.pop((slot, mps), None)
+        else:
+            self._blocking[slot, mps] = (generation, cached[1])
+        _BUSY_GENERATION.pack_into(self._map, _BUSY_GENERATION_OFFSET, generation)
 
     def _others(self, slot: int, mps: bool) -> list[tuple[float, float]]:
         """Busy intervals of the contexts that block `slot`'s kernels. Caller holds the lock."""

@@ -191,7 +191,7 @@ def test_launch_many_runs_a_segment_in_order_and_reports_its_first_failure(rt):
     with pytest.raises(KernelError, match="'k1'") as info:
         s.synchronize()
     assert ran == ["before", "k0", "k1", "k2", "k3", "after"]
-    assert info.value.kernel == "k1" and "1 more kernels of this launch failed" in str(info.value.__notes__)
+    assert info.value.kernel == "k1" and "1 more kernel of this launch failed" in str(info.value.__notes__)
     stats = rt.compute_stats()
     assert stats.kernels["k1"].compute_units == 3 and stats.kernels["k2"].errors == 1  # cap and errors kept
     assert stats.kernels["k3"].launches == 1
