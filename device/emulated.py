@@ -561,7 +561,8 @@ class EmulatedRuntime(Runtime):
             if failures:
                 if len(failures) > 1:
                     more = len(failures) - 1
-                    failures[0].add_note(f"{more} more kernel{'s' if more > 1 else ''} of this launch failed after it")
+                    kernels_word = "kernels" if more > 1 else "kernel"
+                    failures[0].add_note(f"{more} more {kernels_word} of this launch failed after it")
                 raise failures[0]
             return end
 
