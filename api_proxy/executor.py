@@ -60,7 +60,7 @@ from .device_model import (
 )
 from .device_tensor import DeviceTensor
 from .plan_program import ELEMENTS_PER_BLOCK, KernelCalls, PlanProgram, ProgramCache, RunInputs, plan_key
-from .run_issue import IssueOne, IssueSegments, allocator_calls, holds_fences
+from .run_issue import IssueOne, IssueSegments, allocator_calls, holds_fences, launch_pending
 from .run_result import RunResult, RunStats
 
 __all__ = [
@@ -446,6 +446,7 @@ class PlanExecutor:
         self, stream: Stream, result: RunResult, on_kernel: Callable[[int, Kernel], None] | None
     ) -> IssueOne | IssueSegments:
         """How this run's kernels reach the device (`run_issue`)."""
+        launch_pending()  # a run issued from another's hook on this thread: that one's kernels first
         profile = (result._events, result._timed, self._record) if result._events else None
         if self._segments and profile is None:
             return IssueSegments(self.runtime, stream, self.allocator, self._free_and_allocate)

@@ -42,6 +42,7 @@ from streambox.kernel_compiler.plan import Kernel, KernelPlan
 from streambox.memory_pool.mapping_table import WeightCache
 
 from .executor import Allocator, DeviceModel, allocate_weights, copy_weights, free_all, plan_key
+from .run_issue import launch_pending
 
 __all__ = ["ModelCache"]
 
@@ -215,7 +216,7 @@ class ModelCache:
         # Still in flight: wait per layer (direct, stream-only copies are issued at once and in order).
         direct = load.ticket.issued and self.daemon is not None and self.daemon.config.mode == "stream-only"
         if pipelined and resident.load_key == plan_key(plan) and not load.ticket.query() and not direct:
-            return load.on_kernel(stream)
+            return load.on_kernel(stream, launch_pending)  # the run's pending kernels go first
         load.wait_all(stream)  # blocks until the daemon has issued the last block, if it has not yet
         return None
 

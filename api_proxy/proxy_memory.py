@@ -55,7 +55,6 @@ from streambox.memory_pool.scaling import ScalingConfig
 from .device_tensor import DeviceTensor
 from .executor import PlanExecutor, RunResult
 from .model_cache import ModelCache
-from .run_issue import launch_pending
 
 __all__ = ["MemoryOptions", "ProxyMemory", "ReclaimingAllocator"]
 
@@ -281,7 +280,6 @@ class ProxyMemory:
         model, loading = self.models.acquire_pipelined(plan, stream)
         if loading is not None:  # the weights are still arriving: wait per layer, then the caller's hook
             given = options.get("on_kernel")
-            loading = _chain(_launch_pending, loading)  # its waits find the kernels before launched
             options["on_kernel"] = loading if given is None else _chain(loading, given)
         try:
             result = self.executor.run(model, inputs, stream, instance=instance, **options)
@@ -308,10 +306,6 @@ class ProxyMemory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _launch_pending(index: int, kernel: Any) -> None:
-    launch_pending()
 
 
 def _chain(first: Callable[[int, Any], None], then: Callable[[int, Any], None]) -> Callable[[int, Any], None]:

@@ -95,8 +95,8 @@ class IssueSegments:
     def allocate(self, freeing: list[int], sizes: Sequence[int], prefer: list[int]) -> list[int]:
         got = self._free_and_allocate(freeing, sizes, self._stream, prefer=prefer, fast_only=True)
         if len(got) < len(sizes):  # the slow path may wait for this stream's own frees: launch first
-            self.flush()
             try:
+                self.flush()
                 for nbytes in sizes[len(got) :]:
                     got.append(self._allocator.allocate(nbytes, stream=self._stream))
             except BaseException:

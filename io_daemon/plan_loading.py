@@ -100,9 +100,21 @@ class PlanLoad:
         """The event kernel `index` must wait for (None: it is the first to use no weight)."""
         return self.ticket.event_for(index, timeout) if index in self.layers else None
 
-    def on_kernel(self, stream: Stream) -> Callable[[int, Kernel], None]:
-        """The executor's `on_kernel` hook for a run on `stream`."""
-        return lambda index, _kernel: self.before_kernel(index, stream)
+    def on_kernel(
+        self, stream: Stream, before_wait: Callable[[], None] | None = None
+    ) -> Callable[[int, Kernel], None]:
+        """The executor's `on_kernel` hook for a run on `stream`; `before_wait()` runs before each
+        kernel that waits for weights (the executor launches the kernels it has not launched yet)."""
+        if before_wait is None:
+            return lambda index, _kernel: self.before_kernel(index, stream)
+        waits = self.layers | ({0} if self.inputs else set())
+
+        def hook(index: int, _kernel: Kernel) -> None:
+            if index in waits:
+                before_wait()
+                self.before_kernel(index, stream)
+
+        return hook
 
     def wait_all(self, stream: Stream, timeout: float | None = None) -> None:
         """Load-then-run: make `stream` wait for every weight."""

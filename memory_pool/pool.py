@@ -252,6 +252,17 @@ class _StreamFrees:
         return not (self.pending or self.fenced or self.unfenced)
 
 
+class _FenceHold:
+    """A stream's `hold_fences`: how many holders, whether a fence was asked for meanwhile, and
+    whether it freed blocks since its last release whose kernels may not be launched yet (only
+    those make a fence wait: a holder waiting with everything launched defers nothing)."""
+
+    __slots__ = ("count", "due", "unlaunched")
+
+    def __init__(self) -> None:
+        self.count, self.due, self.unlaunched = 1, False, False
+
+
 def _aligned(nbytes: int) -> int:
     if nbytes <= ALIGNMENT:
         if nbytes < 0:
@@ -295,8 +306,7 @@ class DeviceMemoryPool:
         self._live: dict[int, int] = {}  # address -> requested bytes
         self._demand = 0
         self._streams: dict[Stream, _StreamFrees] = {}
-        # Streams whose fences wait (`hold_fences`): stream -> [holds, a fence was asked for meanwhile]
-        self._holds: dict[Stream, list] = {}
+        self._holds: dict[Stream, _FenceHold] = {}  # streams whose fences wait (`hold_fences`)
         self._token = 0
         self.counters = PoolCounters()
         self.metrics: PoolMetrics | None = (
@@ -418,19 +428,21 @@ class DeviceMemoryPool:
         return got
 
     def hold_fences(self, stream: Stream) -> None:
-        """Until `release_fences(stream)`, no fence is recorded on `stream` without its caller's event:
-        one the pool would record now (its thresholds, the periodic sweep, another stream's slow path)
-        is recorded at the release instead. For a caller that frees blocks before it launches the
-        kernels that use them last (the executor issues a run's kernels a segment at a time): a fence
-        recorded in between would give a block to every stream while a kernel launched after it
-        still uses it. The stream itself may reuse its pending blocks at once, as stream order runs
-        the kernels launched first before the ones that reuse them. Holds nest."""
+        """Until `release_fences(stream)`, once the stream frees a block no fence is recorded on it
+        without its caller's event: one the pool would record now (its thresholds, the periodic
+        sweep, another stream's slow path) is recorded at the release instead. For a caller that
+        frees blocks before it launches the kernels that use them last (the executor issues a run's
+        kernels a segment at a time): a fence recorded in between would give a block to every
+        stream while a kernel launched after it still uses it. The stream itself may reuse its
+        pending blocks at once, as stream order runs the kernels launched first before the ones that
+        reuse them. After `release_fences(stream, hold=True)` (everything launched) fences are
+        recorded as usual until the stream's next free. Holds nest."""
         with self._lock:
             hold = self._holds.get(stream)
             if hold is None:
-                self._holds[stream] = [1, False]
+                self._holds[stream] = _FenceHold()
             else:
-                hold[0] += 1
+                hold.count += 1
 
     def release_fences(self, stream: Stream, *, hold: bool = False) -> None:
         """End a `hold_fences(stream)`: the kernels of the frees so far are launched, so a fence asked
@@ -440,12 +452,12 @@ class DeviceMemoryPool:
             held = self._holds.get(stream)
             if held is None:
                 raise ValueError(f"release_fences: the fences of {stream!r} are not held")
-            if held[0] > 1:  # an outer hold goes on: its release records the fence
-                held[0] -= not hold
+            if held.count > 1:  # an outer hold goes on: its release records the fence
+                held.count -= not hold
                 return
-            due = held[1]
-            if hold:
-                held[1] = False
+            due = held.due
+            if hold:  # every free so far has its kernels launched: nothing makes a fence wait now
+                held.due = held.unlaunched = False
             else:
                 del self._holds[stream]
             frees = self._streams.get(stream)
@@ -522,6 +534,10 @@ class DeviceMemoryPool:
         frees = self._streams.get(stream)
         if frees is None:
             frees = self._streams[stream] = _StreamFrees(stream)
+        if self._holds:
+            held = self._holds.get(stream)
+            if held is not None:  # the caller launches these blocks' last kernels later
+                held.unlaunched = True
         pending, by_size, unfenced = frees.pending, frees.by_size, frees.unfenced
         token, freed_bytes, freed_demand = self._token, 0, 0
         try:
@@ -656,8 +672,8 @@ class DeviceMemoryPool:
             return
         if event is None and self._holds and not force:
             held = self._holds.get(frees.stream)
-            if held is not None:  # `hold_fences`: recorded at the release
-                held[1] = True
+            if held is not None and held.unlaunched:  # `hold_fences`: recorded at the release
+                held.due = True
                 return
         if event is None:
             event = self.runtime.create_event(timing=False)

@@ -9,13 +9,14 @@ import torch
 
 from streambox.api_proxy.device_tensor import download_tensor, upload_tensor
 from streambox.api_proxy.executor import PlanExecutor, StreamPoolAllocator, free_model, upload_model
-from streambox.api_proxy.run_issue import launch_pending
+from streambox.api_proxy.run_issue import IssueSegments, launch_pending
+from streambox.device.base import DeviceError
 from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import V100_16GB, GiB
 from streambox.kernel_compiler.memory_profile import profile_plan
 from streambox.kernel_compiler.zoo import ZOO, example_input, get_entry
 from streambox.memory_pool.mapping_table import RecycledAccess
-from streambox.memory_pool.pool import DeviceMemoryPool
+from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig
 from streambox.memory_pool.scaler import PositionBoard
 
 SPEC = V100_16GB.with_overrides(total_memory=4 * GiB, context_create_s=0.0, context_memory=0)
@@ -354,6 +355,49 @@ def test_a_hook_about_to_wait_launches_what_the_run_has_not_launched_yet(
     torch.testing.assert_close(got, _eager(zoo_model, "resnet18", x)[0], **_tolerance(torch.float32))
     assert len(launched) == sum(compute) and max(pending_seen) > 0  # segments, with the hook given
     launch_pending()  # outside a run: nothing to do
+
+
+def test_a_run_issued_from_another_runs_hook_on_its_stream_launches_that_ones_kernels_first(
+    pool, zoo_model, runtime
+):
+    """The inner run may reuse blocks the outer one freed before launching their last kernels (same
+    stream): it launches the outer run's pending kernels before its own."""
+    plan, mem, stream, model, x, handle = _setup(pool, runtime)
+    executor = PlanExecutor(runtime, mem)
+    want = _eager(zoo_model, "resnet18", x)[0]
+    inner = []
+
+    def run_another(index, kernel):
+        if index == 20:
+            result = executor.run(model, {"x": handle}, stream, instance="inner")
+            inner.append(download_tensor(runtime, result.outputs[plan.outputs[0]], stream))
+            mem.free_many([t.address for t in result.outputs.values()], stream)
+
+    result = executor.run(model, {"x": handle}, stream, instance="outer", on_kernel=run_another)
+    got = download_tensor(runtime, result.outputs[plan.outputs[0]], stream)
+    torch.testing.assert_close(got, want, **_tolerance(torch.float32))
+    torch.testing.assert_close(inner[0], want, **_tolerance(torch.float32))
+
+
+def test_a_segment_that_fails_to_launch_before_the_pool_grows_leaks_nothing(runtime, monkeypatch):
+    """A kernel's first size fits, its second needs the pool to grow: the pending segment is launched
+    before the slow path (`IssueSegments.allocate`); a launch that fails there (a stream destroyed
+    meanwhile, a closed runtime) frees what the fast path took."""
+    mem = DeviceMemoryPool(runtime, PoolConfig(chunk_bytes=64 * 1024))
+    stream = runtime.create_stream()
+    mem.allocate(24 * 1024, stream)  # one chunk, 40 KiB of it free
+    resident = mem.demand_bytes
+    issue = IssueSegments(runtime, stream, mem, mem.free_and_allocate)
+    issue.launch(0, (lambda: None, 1, None, "pending", None))
+
+    def failing(on_stream, launches):
+        raise DeviceError("the stream was destroyed meanwhile")
+
+    monkeypatch.setattr(runtime, "launch_many", failing)
+    with pytest.raises(DeviceError, match="destroyed meanwhile"):
+        issue.allocate([], [32 * 1024, 128 * 1024], [])
+    issue.close()
+    assert mem.demand_bytes == resident  # the 32 KiB block the fast path placed is back
 
 
 def test_with_an_allocator_that_keeps_no_release_generation_calls_live_for_one_run(pool, zoo_model, runtime):

@@ -96,6 +96,29 @@ def test_a_held_stream_gets_no_fence_until_its_kernels_are_launched(runtime) -> 
     assert pool.allocate(4096, b) == x
 
 
+@pytest.mark.parametrize("who", ["the same stream", "another stream"])
+def test_a_hold_with_everything_launched_defers_no_fence_a_full_pool_needs(tmp_path, who) -> None:
+    """The executor launches what is pending (`release_fences(hold=True)`) before it waits, and an
+    issuer may wait for its turn holding: a full device must still get the stream's frees back."""
+    with EmulatedBackend(spec=small_spec(4 * MiB), state_dir=tmp_path / "state", timeline=False) as backend:
+        rt = backend.open_runtime(0)
+        pool = DeviceMemoryPool(rt, PoolConfig(oom_wait_s=0.5, metrics=False))
+        s = rt.create_stream()
+        blocks = []
+        with pytest.raises(PoolOutOfMemory):
+            while True:
+                blocks.append(pool.allocate(256 * 1024, s))
+        blocks.sort()
+        pool.hold_fences(s)
+        pool.free_many(blocks[:2], s)  # adjacent, under the fence thresholds
+        pool.release_fences(s, hold=True)  # their kernels are launched; the hold goes on
+        started = time.perf_counter()
+        pool.allocate(512 * 1024, s if who == "the same stream" else rt.create_stream())
+        assert time.perf_counter() - started < 0.4  # not the OOM wait (PoolOutOfMemory after it)
+        pool.release_fences(s)
+        rt.close()
+
+
 def test_fence_holds_nest_and_a_release_without_a_hold_is_an_error(runtime) -> None:
     pool = DeviceMemoryPool(runtime, PoolConfig(fence_frees=1))
     s = runtime.create_stream()
