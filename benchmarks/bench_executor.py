@@ -13,7 +13,10 @@ turns (eager, then the executor), so both see the same load on the machine:
   (`DeviceMemoryPool`, as in the proxy), from the call until it returns with every kernel issued
   (lazy allocation, access counting, eager recycling, launch), per compute kernel, issued while the
   device is held by a gate on another stream: a GPU runs its kernels without the host's CPU, the
-  emulated device runs them on CPU threads of this process. The ops themselves (and torch's dispatch
+  emulated device runs them on CPU threads of this process. In timed mode kernels are phantom, so the
+  gate is a modelled kernel that holds the stream only for its modelled time: the run's placements
+  (the timed launch's own host work) run inline on the issuing thread and are part of the figure,
+  as a real launch's driver work would be. The ops themselves (and torch's dispatch
   of them) run on the stream's worker on the emulated device; the CUDA backend dispatches them on
   the issuing thread, inside `launch`, where they would add torch's dispatch time to this figure.
 - kernel by kernel: the same held run with the run's kernels launched one by one (`run_issue.IssueOne`)
