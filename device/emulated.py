@@ -524,27 +524,34 @@ class EmulatedRuntime(Runtime):
             for _, blocks, cu_cap, _, _ in launches
         ]
         if self.timed:
-            full_max = self.spec.compute_units
-            items = [
-                (min(blocks, full_max), want, name, self._duration(name, duration), duration is None)
-                for (_, blocks, _, name, duration), want in zip(launches, units, strict=True)
+            full_max, inf = self.spec.compute_units, math.inf
+            duration_of = self._duration
+            items = [  # `_duration`, inlined for a valid duration
+                (blocks if blocks < full_max else full_max, want, name,
+                 seconds if seconds is not None and 0.0 <= seconds < inf else duration_of(name, seconds),
+                 seconds is None)
+                for (_, blocks, _, name, seconds), want in zip(launches, units, strict=True)
             ]
-            names = [item[2] for item in items]
 
             def place_all(ready: float) -> float:
                 now = time.perf_counter()
+                accounts: list[tuple[int, str, float]] = []
                 placed: list[Placed] = []
-                busy_batch = self._ledger.busy_batch(self._slot, self.gpu_percent is not None)
-                with self._place_lock, busy_batch as batch:  # this lock order, as `place` nests them
-                    end = ready
+                place_locked, mps = self._place_locked, self.gpu_percent is not None
+                with self._place_lock, self._ledger.busy_batch(self._slot, mps) as batch:
+                    place, end = batch.place, ready  # this lock order, as `place` nests them
                     for item in items:
-                        placed.append(self._place_locked(batch.place, end, now, *item))
-                        end = placed[-1][1]
-                named = list(zip(names, placed, strict=True))
-                self._compute.account_many([(used, name, stop - go) for name, (go, stop, used) in named])
+                        one = place_locked(place, end, now, *item)
+                        end = one[1]
+                        accounts.append((one[2], item[2], end - one[0]))
+                        placed.append(one)
+                self._compute.account_many(accounts)
                 if self._timeline_on:
                     lane = s.lane
-                    self._timeline.extend((lane, "kernel", name, *one[:2], 0, one[2]) for name, one in named)
+                    self._timeline.extend(
+                        (lane, "kernel", item[2], *one[:2], 0, one[2])
+                        for item, one in zip(items, placed, strict=True)
+                    )
                 return end
 
             s.enqueue(place_all, inline=True)

@@ -32,12 +32,6 @@ def units_in_use(own: Sequence[Placed], at: float) -> int:
     return sum(u for s, e, u in own if s <= at < e)
 
 
-def _min_free(own: Sequence[Placed], start: float, end: float, capacity: int) -> int:
-    """The fewest units free at any instant of [start, end): checked at `start` and at each own start."""
-    points = [start] + [s for s, _, _ in own if start < s < end]
-    return min(capacity - units_in_use(own, p) for p in points)
-
-
 def _is_blocked(at: float, blocked: Sequence[Blocked]) -> bool:
     """Whether another context holds the GPU at time `at`."""
     return any(b0 <= at < b1 for b0, b1 in blocked)
@@ -52,13 +46,19 @@ def _past_blocked(start: float, blocked: Sequence[Blocked]) -> float:
 
 
 def _units_that_fit(
-    own: Sequence[Placed], start: float, unit_seconds: float, units: int, capacity: int
+    own: Sequence[Placed], start: float, unit_seconds: float, units: int, free: int, capacity: int
 ) -> tuple[int, float]:
     """(units, end): the most units, at most `units`, free all through a run from `start` that takes
-    `unit_seconds / units`; 0 units when some own kernel leaves none free on the way."""
+    `unit_seconds / units` (`free` of them at `start`), checked at each own start within the run; 0
+    units when some own kernel leaves none free on the way."""
     while True:
         end = start + unit_seconds / units
-        fits = _min_free(own, start, end, capacity)
+        fits = free
+        for s, _, _ in own:
+            if start < s < end:
+                at = capacity - units_in_use(own, s)
+                if at < fits:
+                    fits = at
         if fits >= units:
             return units, end
         if fits < 1:
@@ -75,29 +75,36 @@ def place_kernel(
     own: Sequence[Placed],
     blocked: Sequence[Blocked] = (),
 ) -> Placed:
-    """(start, end, units) of a kernel that may start at `ready` (see the module)."""
+    """(start, end, units) of a kernel that may start at `ready` (see the module). Called once per
+    timed kernel, so the usage at a start is summed inline (`tests/device/test_gpu_schedule.py`
+    holds the search step by step, the reference this agrees with)."""
     if duration < 0:
         raise ValueError(f"negative kernel duration: {duration}")
     if not 1 <= want <= capacity or full < 1:
         raise ValueError(f"kernel wants {want} units of {capacity} (full occupancy {full})")
+    unit_seconds = duration * full  # the kernel's length on one unit
     if not blocked and not own:  # the common case, in one step (what the search finds)
-        return ready, ready + duration * full / want, want
+        return ready, ready + unit_seconds / want, want
     start = ready
     for _ in range(_MAX_STEPS):
-        start = _past_blocked(start, blocked)
-        if _is_blocked(start, blocked):
-            continue
-        free = capacity - units_in_use(own, start)
-        if free < 1:
+        if blocked:
+            start = _past_blocked(start, blocked)
+            if _is_blocked(start, blocked):
+                continue
+        free = capacity
+        for s, e, u in own:  # `units_in_use`, inline
+            if s <= start < e:
+                free -= u
+        if free < 1:  # nothing free: start when the first own kernel holding units ends
             start = min(e for s, e, _ in own if s <= start < e)
             continue
-        units, end = _units_that_fit(own, start, duration * full, min(want, free), capacity)
+        units, end = _units_that_fit(own, start, unit_seconds, want if want < free else free, free, capacity)
         if units == 0:  # an own kernel takes the rest later on: start when the first one ends
-            start = min(e for s, e, _ in own if start < e and s < start + duration * full)
+            start = min(e for s, e, _ in own if start < e and s < start + unit_seconds)
             continue
-        clash = [b for b in blocked if start < b[0] < end]
-        if clash:
-            start = min(b1 for b0, b1 in clash)
+        clash = [b1 for b0, b1 in blocked if start < b0 < end] if blocked else None
+        if clash:  # another context's interval begins before the kernel would end: after it
+            start = min(clash)
             continue
         return start, end, units
     raise RuntimeError(f"no placement found for a kernel ready at {ready} after {_MAX_STEPS} steps")

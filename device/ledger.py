@@ -35,7 +35,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -461,21 +461,13 @@ class Ledger:
             finally:
                 lock.release()
 
-    @contextlib.contextmanager
-    def busy_batch(self, slot: int, mps: bool) -> Iterator[BusyBatch]:
-        """`place_busy` for several kernels of `slot`'s context in one transaction: the device lock,
-        the busy generation and the intervals that block the context are read once; each kernel's
-        interval is recorded as it is placed (`BusyBatch.place`), the generation moved once at the
-        end. A stream's segment of kernels (`EmulatedRuntime.launch_many`)."""
-        with self._locked():
-            cached = self._blocking_locked(slot, mps)
-            batch = BusyBatch(self, slot, mps, cached[1])
-            try:
-                yield batch
-            finally:
-                batch.flush()
-                if batch.placed:
-                    self._wrote_busy_locked(slot, mps, cached, batch.overwrote)
+    def busy_batch(self, slot: int, mps: bool) -> BusyBatch:
+        """`place_busy` for several kernels of `slot`'s context in one transaction (`with
+        ledger.busy_batch(...) as batch`): the device lock, the busy generation and the intervals
+        that block the context are read once; each kernel's interval is recorded as it is placed
+        (`BusyBatch.place`), the generation moved once at the end. A stream's segment of kernels
+        (`EmulatedRuntime.launch_many`)."""
+        return BusyBatch(self, slot, mps)
 
     def _blocking_locked(self, slot: int, mps: bool) -> tuple[int, list[tuple[float, float]]]:
         """(busy generation, the intervals of other contexts that block `slot`'s kernels), re-read
@@ -573,18 +565,43 @@ class _DeviceLock:
 
 
 class BusyBatch:
-    """One transaction of `Ledger.busy_batch`: `place` as `Ledger.place_busy` places, the lock held.
-    Kernels placed back to back make one interval, written once (`flush`): no other process reads
-    the records before the transaction ends."""
+    """One transaction of `Ledger.busy_batch`: `place` as `Ledger.place_busy` places, the lock held
+    from `__enter__` to `__exit__` (a class, not a generator: entered once per segment of timed
+    kernels, where `contextlib.contextmanager` cost more than a segment's placements). Kernels placed
+    back to back make one interval, written once (`flush`): no other process reads the records before
+    the transaction ends."""
 
-    __slots__ = ("_ledger", "_slot", "_mps", "_others", "_now", "_run", "placed", "overwrote")
+    __slots__ = ("_ledger", "_slot", "_mps", "_cached", "_others", "_now", "_run", "placed", "overwrote")
 
-    def __init__(self, ledger: Ledger, slot: int, mps: bool, others: list[tuple[float, float]]) -> None:
-        self._ledger, self._slot, self._mps, self._others = ledger, slot, mps, others
+    def __init__(self, ledger: Ledger, slot: int, mps: bool) -> None:
+        self._ledger, self._slot, self._mps = ledger, slot, mps
+        self._cached: tuple[int, list[tuple[float, float]]] | None = None
+        self._others: list[tuple[float, float]] = []
         self._now = 0.0
         self._run: list[float] | None = None  # [start, end] of the back-to-back kernels not yet written
         self.placed = 0
         self.overwrote = False  # another context's record was reused: its cache is stale
+
+    def __enter__(self) -> BusyBatch:
+        ledger = self._ledger
+        lock = ledger._device_lock
+        lock.__enter__()
+        try:
+            self._cached = ledger._blocking_locked(self._slot, self._mps)
+        except BaseException:
+            lock.__exit__(None, None, None)
+            raise
+        self._others = self._cached[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        ledger = self._ledger
+        try:
+            self.flush()
+            if self.placed and self._cached is not None:
+                ledger._wrote_busy_locked(self._slot, self._mps, self._cached, self.overwrote)
+        finally:
+            ledger._device_lock.__exit__(None, None, None)
 
     def place(self, ready: float, now: float, fit: Callable[..., Placed], *fit_args: object) -> Placed:
         others = self._others
