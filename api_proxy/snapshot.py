@@ -11,6 +11,8 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from streambox.gc_pauses import PAUSES
+
 from .partition import partitioning_of
 
 if TYPE_CHECKING:
@@ -77,7 +79,8 @@ def _process_usage() -> dict[str, Any]:
     """CPU seconds of this process (user, system) and its context switches since it started; per
     live thread role (thread names with their numbers as N: every `streambox-issuer_<i>` is
     `streambox-issuer_N`) its CPU seconds (`threads`) and the times it was scheduled in
-    (`thread_runs`), read at most once per `THREAD_USAGE_MAX_AGE_S` (Linux only; empty elsewhere)."""
+    (`thread_runs`), read at most once per `THREAD_USAGE_MAX_AGE_S` (Linux only; empty elsewhere);
+    its garbage-collector pauses (`streambox.gc_pauses`)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu, runs = _THREAD_USAGE.read()
     return {
@@ -87,6 +90,7 @@ def _process_usage() -> dict[str, Any]:
         "involuntary_switches": float(usage.ru_nivcsw),
         "threads": cpu,
         "thread_runs": runs,
+        **PAUSES.counters(),
     }
 
 

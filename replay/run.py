@@ -24,6 +24,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from streambox.config import Config, SettingsModel
 from streambox.device.modes import device_mode_env
+from streambox.gc_pauses import frozen_heap
 
 from .driver import drive
 from .metrics import summarize, write_json, write_requests, write_samples
@@ -315,7 +316,9 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     write_json(run_dir / "config.json", described)
-    result = await _drive(target, workload, config)
+    with frozen_heap() as pauses:  # the driver's own collections would delay what it sends and times
+        result = await _drive(target, workload, config)
+        driver_gc = pauses.counters()
     patterns = {str(c.key): c.pattern.kind for c in workload.chosen}
     write_requests(run_dir / "requests.csv", result.records, patterns)
     write_samples(run_dir / "samples.csv", result.samples)
@@ -325,6 +328,7 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
         "workflows": list(config.workflows),
         **summarize(result, slo_s=config.slo_ms / 1e3, window_s=workload.window_s),
     }
+    summary["driver"]["gc"] = driver_gc
     write_json(run_dir / "summary.json", summary)
     return RunResult(run_dir, summary, config)
 

@@ -50,6 +50,9 @@ def test_requests_csv_has_phases_that_add_up(tmp_path):
     assert counters["pool.allocations"] >= counters["pool.frees"] > 0
     assert counters["pool.grows"] >= 1 and counters["io.blocks"] >= 1
     assert counters["proxy.cpu_user_s"] + counters["proxy.cpu_system_s"] > 0  # the proxy's own CPU time
+    # its startup heap (torch and the project's imports) is out of its collections (`gc_pauses`)
+    assert counters["proxy.gc_frozen_objects"] > 100_000
+    assert set(result.summary["driver"]["gc"]) >= {"gc_full_collections", "gc_pause_s"}
     with (result.run_dir / "samples.csv").open() as f:
         grows = [float(r["counter.pool.grows"]) for r in csv.DictReader(f) if r["counter.pool.grows"]]
     assert grows == sorted(grows) and grows[-1] == counters["pool.grows"]
