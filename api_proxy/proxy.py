@@ -49,7 +49,7 @@ from streambox.comm.config import StoreConfig
 from streambox.comm.ipc_store import IpcStore
 from streambox.comm.store_protocol import Store
 from streambox.config import Config
-from streambox.gc_pauses import PAUSES, freeze_startup_heap
+from streambox.gc_pauses import PAUSES, freeze_startup_heap, freezing
 from streambox.io_daemon import IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.memory_pool.idle import PoolIdleMemory
@@ -471,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Everything set up so far lives as long as the proxy: out of every later collection, so that a
     # full one stops the proxy for milliseconds, not the ~0.2 s of walking torch's objects.
-    freeze_startup_heap()
+    if freezing():
+        freeze_startup_heap()
     try:
         server.serve_forever()
     finally:

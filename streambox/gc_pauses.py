@@ -16,16 +16,22 @@ replay driver, whose pauses would delay the requests it sends and the replies it
 of one replay.
 
 `GcPauses` counts collections and how long they stopped the process (a `gc.callbacks` hook), for
-the proxy's `stats` and the replay's summary.
+the proxy's `stats` and the replay's summary. `STREAMBOX_FREEZE_HEAP=0` in the environment switches
+the freezing off in every process (`freezing`): the measurement without it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from .settings_base import ENV_PREFIX
 
 GENERATIONS = 3
 
@@ -76,6 +82,18 @@ class GcPauses:
 PAUSES = GcPauses()
 
 
+def freezing() -> bool:
+    """Whether this process's heap is to be frozen (`STREAMBOX_FREEZE_HEAP`, default on)."""
+    name = f"{ENV_PREFIX}FREEZE_HEAP"
+    value = os.environ.get(name)
+    if value is None:
+        return True
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        raise ValueError(f"{name}={value!r}: expected a boolean (1/0, true/false, on/off)") from None
+
+
 def freeze_startup_heap(full: bool = False) -> int:
     """Move every object this process tracks now to the permanent generation, after collecting the
     young generations (`full`: every generation; ~0.2 s with torch imported, for where no request
@@ -88,13 +106,16 @@ def freeze_startup_heap(full: bool = False) -> int:
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[GcPauses]:
     """Within the block, what the process holds at its start is out of every collection (a full
-    collection first: call it where nothing waits); after it, back in the oldest generation. Yields
-    a `GcPauses` counting the block's collections."""
+    collection first: call it where nothing waits; unless `freezing()` is off); after it, back in the
+    oldest generation. Yields a `GcPauses` counting the block's collections."""
     pauses = GcPauses()
-    freeze_startup_heap(full=True)
+    frozen = freezing()
+    if frozen:
+        freeze_startup_heap(full=True)
     pauses.install()
     try:
         yield pauses
     finally:
         pauses.uninstall()
-        gc.unfreeze()
+        if frozen:
+            gc.unfreeze()

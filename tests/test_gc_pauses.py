@@ -8,7 +8,9 @@ import subprocess
 import sys
 import textwrap
 
-from streambox.gc_pauses import GcPauses, frozen_heap
+import pytest
+
+from streambox.gc_pauses import GcPauses, freezing, frozen_heap
 
 
 def test_the_counter_sees_each_collection_and_its_pause():
@@ -56,3 +58,15 @@ def test_a_frozen_heap_is_unfrozen_after_its_block():
         gc.collect()
         assert pauses.counters()["gc_full_collections"] == 1
     assert gc.get_freeze_count() == 0
+
+
+def test_the_environment_switches_freezing_off_and_a_bad_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("STREAMBOX_FREEZE_HEAP", "0")
+    assert not freezing()
+    with frozen_heap():
+        assert gc.get_freeze_count() == 0
+    monkeypatch.setenv("STREAMBOX_FREEZE_HEAP", "sometimes")
+    with pytest.raises(ValueError, match="STREAMBOX_FREEZE_HEAP='sometimes': expected a boolean"):
+        freezing()
+    monkeypatch.delenv("STREAMBOX_FREEZE_HEAP")
+    assert freezing()

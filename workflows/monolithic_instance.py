@@ -45,6 +45,7 @@ from streambox.comm.lease import Allocator
 from streambox.comm.store_protocol import check_put_args
 from streambox.config import Config
 from streambox.device import Runtime, Stream
+from streambox.gc_pauses import freeze_startup_heap, freezing
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.sdk import error_type_of
 
@@ -402,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:
         sock.sendall(encode_message({"ok": False, **_error(error)}))
         return 1
+    # As a proxy does (`streambox.gc_pauses`): what the instance set up lives as long as it, and a
+    # full collection walking torch's objects would stop its request for ~0.2 s.
+    if freezing():
+        freeze_startup_heap()
     try:
         sock.sendall(encode_message({"ok": True, "pid": os.getpid(), "stats": instance.stats()}))
         while (message := _receive(sock, incoming, instance.idle)) is not None:
