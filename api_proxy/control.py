@@ -327,7 +327,11 @@ class AsyncProxyClient:
         self._pending[call_id] = future
         await self._sock.send(msgpack.packb([call_id, op, args or {}, self._key], use_bin_type=True))
         try:
-            return await asyncio.wait_for(future, timeout)
+            # Not `asyncio.wait_for`: on Python 3.11 it returns the reply when the caller is cancelled
+            # as the reply arrives, and the caller's loop goes on (the invoker's housekeeping did,
+            # and its `close` waited for it forever); `asyncio.timeout` raises the cancellation.
+            async with asyncio.timeout(timeout):
+                return await future
         finally:
             self._pending.pop(call_id, None)
 

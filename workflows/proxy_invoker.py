@@ -120,6 +120,7 @@ class ProxyInvoker:
         self.stats_period_s = stats_period_s
         self._workflows: dict[str, _Deployed] = {}
         self._housekeeping: asyncio.Task[None] | None = None
+        self._closing = False
         self._starts: set[asyncio.Task[None]] = set()  # proxy starts in flight (`_launch`)
         self._backend: Any = None  # opened for the node's free memory, to admit proxies by it
         self._predicted: dict[str, int] = {}  # device bytes of each workflow's proxy, from its profiles
@@ -221,6 +222,7 @@ class ProxyInvoker:
                 await wf.client.end_request(request_id)
 
     async def close(self) -> None:
+        self._closing = True
         if self._housekeeping is not None:
             self._housekeeping.cancel()
             with contextlib.suppress(BaseException):
@@ -376,10 +378,11 @@ class ProxyInvoker:
 
     def _ensure_housekeeping(self) -> None:
         if self._housekeeping is None or self._housekeeping.done():
+            self._closing = False
             self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
 
     async def _housekeep(self) -> None:
-        while True:
+        while not self._closing:  # `close` also cancels it; this ends it should an await swallow that
             await asyncio.sleep(self.stats_period_s)
             for name in self.warm.expired(time.monotonic()):
                 await self._stop(self._workflows[name])
