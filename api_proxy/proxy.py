@@ -459,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
+        freeze = freezing()  # a bad STREAMBOX_FREEZE_HEAP fails the start, before any work
         server.start()
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
@@ -471,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Everything set up so far lives as long as the proxy: out of every later collection, so that a
     # full one stops the proxy for milliseconds, not the ~0.2 s of walking torch's objects.
-    if freezing():
+    if freeze:
         freeze_startup_heap()
     try:
         server.serve_forever()

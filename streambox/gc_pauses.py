@@ -43,7 +43,7 @@ class GcPauses:
         self.collections = [0] * GENERATIONS
         self.pause_s = [0.0] * GENERATIONS
         self.max_pause_s = 0.0
-        self._started = 0.0
+        self._started: float | None = None  # the collection in progress began (None: none seen)
 
     def install(self) -> None:
         """Start counting (idempotent)."""
@@ -59,7 +59,10 @@ class GcPauses:
         if phase == "start":
             self._started = now
             return
-        generation, pause = info["generation"], now - self._started
+        started, self._started = self._started, None
+        if started is None:  # installed during a collection: its start was not seen
+            return
+        generation, pause = info["generation"], now - started
         self.collections[generation] += 1
         self.pause_s[generation] += pause
         if pause > self.max_pause_s:

@@ -4,12 +4,15 @@ heap leaves a full collection only what the process made after the freeze."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from streambox.api_proxy.control import ProxyStartError, launch_proxy
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 from streambox.gc_pauses import GcPauses, freezing, frozen_heap
 
 
@@ -73,3 +76,18 @@ def test_the_environment_switches_freezing_off_and_a_bad_value_names_the_variabl
         freezing()
     monkeypatch.delenv("STREAMBOX_FREEZE_HEAP")
     assert freezing()
+
+
+def test_a_proxy_refuses_to_start_on_a_bad_switch_and_says_why(tmp_path):
+    """The switch is read before the proxy does any work; its error reaches the launcher."""
+    (tmp_path / "gc_switch_handlers.py").write_text("def echo(ctx, event):\n    return event\n")
+    config = ProxyConfig(
+        workflow="gcswitch",
+        functions=(ProxyFunction("echo", "gc_switch_handlers:echo"),),
+        sys_path=(str(tmp_path),),
+        state_dir=str(tmp_path / "state"),
+        prefork=0,
+    )
+    env = {**os.environ, "STREAMBOX_FREEZE_HEAP": "sometimes"}
+    with pytest.raises(ProxyStartError, match="STREAMBOX_FREEZE_HEAP='sometimes': expected a boolean"):
+        launch_proxy(config, env=env, timeout=120)

@@ -399,13 +399,14 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=int(args["fd"]))
     incoming = sock.makefile("rb")
     try:
+        freeze = freezing()  # a bad STREAMBOX_FREEZE_HEAP fails the start, reported as any error
         instance = Instance(args)
     except BaseException as error:
         sock.sendall(encode_message({"ok": False, **_error(error)}))
         return 1
     # As a proxy does (`streambox.gc_pauses`): what the instance set up lives as long as it, and a
     # full collection walking torch's objects would stop its request for ~0.2 s.
-    if freezing():
+    if freeze:
         freeze_startup_heap()
     try:
         sock.sendall(encode_message({"ok": True, "pid": os.getpid(), "stats": instance.stats()}))
