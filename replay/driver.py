@@ -132,7 +132,8 @@ async def drive(
         status, error = "ok", ""
         try:
             call = target.send(arrival.workflow, event_for(request_id, arrival))
-            outcome = await (asyncio.wait_for(call, request_timeout_s) if request_timeout_s else call)
+            async with asyncio.timeout(request_timeout_s or None):
+                outcome = await call
             status, error = outcome.status, outcome.error or ""
         except TimeoutError:
             status, error = "timeout", f"no outcome within {request_timeout_s} s"

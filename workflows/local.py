@@ -489,7 +489,8 @@ class LocalInvoker:
         # The instance is busy until its thread returns, even when the caller stops waiting.
         future.add_done_callback(lambda _: self._release(wf, instance))
         try:
-            output = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                output = await asyncio.shield(future)
         except TimeoutError:
             raise InvocationTimeout(f"{function} ran past {timeout_s:.3f} s") from None
         return InvocationResult(output, cold, time.perf_counter() - started)

@@ -374,7 +374,8 @@ class MonolithicInvoker:
             raise InvocationError(fn.name, "InvokerClosed", "the invoker closed")
         self._batches.add((wf.spec.name, fn.name), pending, fn.samples, fn.limits)
         try:  # cancelled or timed out while still queued: its batch leaves it out
-            delivered = await asyncio.wait_for(pending.reply, _left(pending.deadline))
+            async with asyncio.timeout(_left(pending.deadline)):
+                delivered = await pending.reply
         except TimeoutError:
             raise InvocationTimeout(f"{fn.name}: the request's time ran out in its batch") from None
         reply = delivered.reply
@@ -596,7 +597,8 @@ class MonolithicInvoker:
                 break
             changed = fn.changed
             try:
-                await asyncio.wait_for(changed.wait(), _left(deadline))
+                async with asyncio.timeout(_left(deadline)):
+                    await changed.wait()
             except TimeoutError:
                 raise InvocationTimeout(
                     f"{fn.name}: no instance free before the request's time ran out "
@@ -732,7 +734,8 @@ class MonolithicInvoker:
         saying why it did not start (timeout, exit, or its own error)."""
         name = instance.function
         try:
-            hello = await asyncio.wait_for(_read_message(instance.reader), self.start_timeout_s)
+            async with asyncio.timeout(self.start_timeout_s):
+                hello = await _read_message(instance.reader)
         except TimeoutError:
             raise InvocationError(
                 name, "InstanceStartError", f"the instance did not start in {self.start_timeout_s:g} s"
@@ -769,7 +772,8 @@ class MonolithicInvoker:
         try:
             instance.writer.write(encode_message(message))
             await instance.writer.drain()
-            reply = await asyncio.wait_for(_read_message(instance.reader), limit)
+            async with asyncio.timeout(limit):
+                reply = await _read_message(instance.reader)
         except TimeoutError:
             await self._stop(fn, instance, kill=True)
             raise InvocationTimeout(f"{fn.name} ran past {limit:.3f} s; its instance was killed") from None
