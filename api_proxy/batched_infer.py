@@ -18,8 +18,11 @@ then runs it on its own stream:
 
 A batch that closes with its leader alone is not a batch: the leader's `infer` runs its own plan as
 if unbatched (no gathering copies; it only waited). Other members (followers) never run anything. A
-member whose invocation ended before the batch ran is left out; a leader that ends while the batch
-is open drops it and fails its followers' calls.
+member whose invocation ended before the batch ran is left out. A leader whose call is dropped before
+its followers got their rows (its request timed out or failed, its instance died) hands the batch on:
+the first follower still alive leads it (waits for it to close, or runs it at once), so one request
+never fails another's call. A batch whose run fails (the plan, the memory) fails its followers' calls
+with that error.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ from .waits import Offload, Wait
 if TYPE_CHECKING:
     from .ops import CallContext
     from .resources import Resources
+
+#: What a follower's `result` carries when the leader was dropped and it leads the batch instead.
+LEAD: Any = object()
 
 RunPlan = Callable[
     ["Resources", "CallContext", str, KernelPlan, dict[str, DeviceTensor]], Generator[Wait, Any, RunResult]
@@ -108,6 +114,7 @@ class Batching:
         self.members_batched = 0
         self.sizes: list[int] = []  # samples of each batch run
         self.alone = 0  # batches that closed with no call but their first: run as plain infers
+        self.handed_on = 0  # batches whose leader was dropped and a follower led instead
 
     def counters(self) -> dict[str, Any]:
         """Batches run, the calls they served, how many samples each held (recent ones), and the calls
@@ -117,6 +124,7 @@ class Batching:
             "members": self.members_batched,
             "sizes": self.sizes[-256:],
             "alone": self.alone,
+            "handed_on": self.handed_on,
         }
 
     def join(self, model: str, member: Member, limits: Limits, now: float) -> Batch[Member]:
@@ -139,11 +147,26 @@ class Batching:
         return self.gatherer.next_deadline()
 
     def abandon(self, batch: Batch[Member], why: BaseException) -> None:
-        """The leader is gone: drop the batch if open, and fail the followers' calls."""
+        """The batch cannot run: drop it if open, and fail the followers' calls with `why`."""
         self.gatherer.discard(batch)
         for member in batch.members[1:]:
             if not member.result.done():
                 member.result.set_exception(why)
+
+    def hand_on(self, batch: Batch[Member], gone: Member) -> None:
+        """The leader `gone` was dropped before its followers got their rows: the first follower still
+        alive and waiting leads the batch instead (told through its `result`: `LEAD`; its `closed` is
+        set at once if the batch closed already); with none, the batch is dropped (nobody waits)."""
+        waiting = (m for m in batch.members if m is not gone and m.alive and not m.result.done())
+        successor = next(waiting, None)
+        if successor is None:
+            self.gatherer.discard(batch)
+            return
+        batch.hand_on(gone, successor)
+        self.handed_on += 1
+        if not self.gatherer.is_open(batch) and not successor.closed.done():
+            successor.closed.set_result(batch)
+        successor.result.set_result(LEAD)
 
     @staticmethod
     def _hand_over(batch: Batch[Member]) -> None:
@@ -163,23 +186,35 @@ def infer_batched(
     when no other call joined it (the caller then runs its own plan as usual: no copies)."""
     member = Member(call, inputs, res.record(call.inst.stream))
     batch = res.batching.join(model, member, limits, time.perf_counter())
-    if batch.leader is not member:
-        return (yield Offload(member.result, f"the batched inference of {model!r}"))
+    try:
+        while batch.leader is not member:  # a follower, until it has its rows or leads
+            got = yield Offload(member.result, f"the batched inference of {model!r}")
+            if got is not LEAD:
+                return got  # type: ignore[no-any-return]
+    except GeneratorExit:  # dropped after it was told to lead, before it could
+        if batch.leader is member:
+            res.batching.hand_on(batch, member)
+        raise
+    return (yield from _lead(res, call, model, member, batch, run_plan))
+
+
+def _lead(
+    res: Resources, call: CallContext, model: str, member: Member, batch: Batch[Member], run_plan: RunPlan
+) -> Generator[Wait, Any, list[Handle] | None]:
+    """The leader's part: wait for the batch to close, then run it (or run alone if nobody joined)."""
     try:
         yield Offload(member.closed, f"gathering a batch for {model!r}", QUEUE)  # waiting for peers
+        if not any(m.alive for m in batch.members[1:]):
+            res.batching.alone += 1
+            return None
+        return (yield from _run_batch(res, call, model, batch, run_plan))
     except GeneratorExit:  # this call was dropped (its instance died or its request ended)
-        res.batching.abandon(batch, ProxyError(f"the batch of {model!r} lost the call that was to run it"))
+        res.batching.hand_on(batch, member)
         raise
-    if not any(m.alive for m in batch.members[1:]):
-        res.batching.alone += 1
-        return None
-    try:
-        handles = yield from _run_batch(res, call, model, batch, run_plan)
     except BaseException as exc:
         why = exc if isinstance(exc, Exception) else ProxyError(f"the batch of {model!r} was dropped")
         res.batching.abandon(batch, why)
         raise
-    return handles
 
 
 def _run_batch(

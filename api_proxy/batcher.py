@@ -48,6 +48,14 @@ class Batch(Generic[T]):
     def leader(self) -> T:
         return self.members[0]
 
+    def hand_on(self, gone: T, successor: T) -> None:
+        """`gone` leaves the batch and `successor`, one of its members, leads it instead."""
+        i = self.members.index(gone)
+        del self.members[i], self.samples[i]
+        j = self.members.index(successor)
+        self.members.insert(0, self.members.pop(j))
+        self.samples.insert(0, self.samples.pop(j))
+
 
 class Gatherer(Generic[T]):
     """The open batch of every kind (see the module doc)."""
@@ -84,6 +92,10 @@ class Gatherer(Generic[T]):
 
     def next_deadline(self) -> float | None:
         return min((b.deadline for b in self._open.values()), default=None)
+
+    def is_open(self, batch: Batch[T]) -> bool:
+        """Whether `batch` still takes members (neither closed nor discarded)."""
+        return self._open.get(batch.kind) is batch
 
     def discard(self, batch: Batch[T]) -> bool:
         """Close `batch` unrun (its leader is gone); True if it was still open."""

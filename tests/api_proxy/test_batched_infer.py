@@ -177,3 +177,29 @@ def test_which_functions_batch_which_calls_join_and_which_plans_deploy_prepares(
     assert not joinable(limits, [tensor(1, 3), tensor(2, 3)])  # no common batch dimension
     assert not joinable(limits, [tensor(2, 3, strides=(1, 2))])  # not contiguous
     assert not joinable(limits, [tensor()])  # a scalar has no batch dimension
+
+
+def test_a_batch_whose_leader_times_out_is_led_by_a_follower(proxy, zoo_model, tmp_path, settled):
+    """The leader's request gives up while the batch is open: its followers (other requests) still get
+    their own rows, from the batch the first of them runs."""
+    stats = settled(proxy.client, lambda s: s["buffers"] == 0)
+    before, pool_bytes = stats["batching"], stats["pool"]["allocated_bytes"]
+    room = tmp_path / "room"
+    room.mkdir()
+    events = [{"seed": s, "room": str(room), "group": 3} for s in (71, 72, 73)]
+    for e in events[1:]:
+        e["late_s"] = 0.3  # the first leads; these join after it, as followers
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [
+            pool.submit(ProxyClient(proxy.address).invoke, "slow", e, f"r{e['seed']}", timeout_s=t)
+            for e, t in zip(events, (1.5, None, None), strict=True)
+        ]
+        with pytest.raises(FunctionTimeout):
+            futures[0].result()
+        outputs = [f.result()["output"] for f in futures[1:]]
+    after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] <= pool_bytes)
+    assert after["batching"]["handed_on"] == before["handed_on"] + 1
+    assert after["batching"]["batches"] == before["batches"] + 1
+    assert after["batching"]["sizes"][-1] == 2  # the followers' rows, run by the first of them
+    for seed, out in zip((72, 73), outputs, strict=True):
+        assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)

@@ -61,3 +61,18 @@ def test_bad_limits_and_samples_are_refused():
         Limits(0, 0.001)
     with pytest.raises(ValueError, match="at least one sample"):
         Gatherer().add("k", "a", 0, FOUR_IN_5MS, now=0.0)
+
+
+def test_a_batch_handed_on_is_led_by_the_successor_and_has_room_for_the_leavers_samples():
+    g: Gatherer[str] = Gatherer()
+    batch, _ = g.add("k", "a", 2, FOUR_IN_5MS, now=0.0)
+    g.add("k", "b", 1, FOUR_IN_5MS, now=0.001)
+    g.add("k", "c", 1, FOUR_IN_5MS, now=0.002)  # full: closed
+    assert not g.is_open(batch)
+    batch.hand_on("a", "c")
+    assert (batch.leader, batch.members, batch.samples) == ("c", ["c", "b"], [1, 1])
+    reopened, _ = g.add("k", "d", 2, FOUR_IN_5MS, now=0.003)
+    assert g.is_open(reopened)
+    g.add("k", "e", 1, FOUR_IN_5MS, now=0.004)
+    reopened.hand_on("d", "e")  # still open, now with one sample of four: it waits for more
+    assert g.is_open(reopened) and (reopened.members, reopened.total) == (["e"], 1)
