@@ -10,6 +10,7 @@ requests.csv, samples.csv, summary.json}.
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import sys
 import time
@@ -22,9 +23,10 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from streambox.config import Config, SettingsModel
+from streambox.config import Config, SettingsModel, option_name
 from streambox.device.modes import device_mode_env
 from streambox.gc_pauses import frozen_heap
+from streambox.settings_base import ENV_PREFIX
 
 from .driver import drive
 from .metrics import summarize, write_json, write_requests, write_samples
@@ -102,8 +104,27 @@ class ReplayConfig(SettingsModel):
     @property
     def label(self) -> str:
         """The system's name, with its options when set (ablations): streambox[FM=off]."""
-        options = ",".join(f"{k}={v}" for k, v in sorted(self.system_options.items()))
-        return f"{self.system}[{options}]" if options else self.system
+        return self.labelled({})
+
+    def labelled(self, from_environment: Mapping[str, str]) -> str:
+        """`label` with the switches set through the environment too (`environment_options`)."""
+        options = {**from_environment, **self.system_options}
+        listed = ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+        return f"{self.system}[{listed}]" if listed else self.system
+
+
+def environment_options(
+    settings: Mapping[str, Any], given: Mapping[str, Any], environ: Mapping[str, str]
+) -> dict[str, str]:
+    """The switches among a system's resolved `settings` that `environ` set (`STREAMBOX_<NAME>`, as
+    the README documents for every flag) and `--set` did not: part of what ran, so part of the run's
+    label, so that an ablation made that way is not reported as the system itself."""
+    named = {option_name(k) for k in given}
+    return {
+        key: environ[f"{ENV_PREFIX}{key.upper()}"]
+        for key in settings
+        if key != "system" and key not in named and f"{ENV_PREFIX}{key.upper()}" in environ
+    }
 
 
 @dataclass
@@ -305,12 +326,14 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
         raise ValueError(f"{run_dir} already holds a run (summary.json); choose another --out or overwrite")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").unlink(missing_ok=True)
+    system_config = target.describe()
+    label = run_label(config, system_config)
     described = {
         "config": config.model_dump(mode="json"),
-        "label": config.label,
+        "label": label,
         "device_mode": replay_device_mode(config.system_options),
         "workload": _describe_workload(config, workload),
-        "system_config": target.describe(),
+        "system_config": system_config,
         "versions": _versions(),
         "argv": sys.argv,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -323,7 +346,7 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
     write_requests(run_dir / "requests.csv", result.records, patterns)
     write_samples(run_dir / "samples.csv", result.samples)
     summary = {
-        "label": config.label,
+        "label": label,
         "system": config.system,
         "workflows": list(config.workflows),
         **summarize(result, slo_s=config.slo_ms / 1e3, window_s=workload.window_s),
@@ -349,18 +372,50 @@ def run_replay(
     ReplayConfig's fields (start_minute, minute_seconds, functions, select, patterns, include, mapping,
     explicit_mapping, spacing, seed, slo_ms, max_requests, max_duration_s, request_timeout_s,
     drain_timeout_s, sample_interval_s, system_options, overwrite, progress)."""
-    workflows = _workflow_names(workflow)
+    config = replay_config(
+        trace, workflow=workflow, system=system, minutes=minutes, scale=scale, out=out, **options
+    )
+    return execute(config, target)
+
+
+def replay_config(
+    trace: str | Path | None = None,
+    *,
+    workflow: str | Sequence[str] = "traffic",
+    system: str = "streambox",
+    minutes: int = 10,
+    scale: float = 1.0,
+    out: str | Path = "runs/replay",
+    **options: Any,
+) -> ReplayConfig:
+    """The `ReplayConfig` that `run_replay` with these arguments runs."""
     options = {name: value for name, value in options.items() if value is not None}  # None: default
-    config = ReplayConfig(
+    return ReplayConfig(
         trace=str(trace) if trace is not None else None,
-        workflows=workflows,
+        workflows=_workflow_names(workflow),
         system=system,
         minutes=minutes,
         scale=scale,
         out=str(out),
         **options,
     )
-    return execute(config, target)
+
+
+#: ReplayConfig fields that say where and how a run is written, not what it measured.
+NOT_MEASURED = ("out", "overwrite", "progress")
+
+
+def same_measurement(stored: Mapping[str, Any], config: ReplayConfig) -> list[str]:
+    """The fields in which a run's stored config (config.json's `config`) differs from `config`, other
+    than where it was written: empty when that run measured what `config` would."""
+    wanted = config.model_dump(mode="json")
+    return sorted(k for k, v in wanted.items() if k not in NOT_MEASURED and stored.get(k) != v)
+
+
+def run_label(config: ReplayConfig, system_config: Mapping[str, Any]) -> str:
+    """The run's label: its system, with its `--set` options and the switches the environment set."""
+    settings = system_config.get("settings") or {}
+    return config.labelled(environment_options(settings, config.system_options, os.environ))
 
 
 def check_out_folder(path: Path, flag: str = "--out") -> None:

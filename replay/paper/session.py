@@ -153,23 +153,29 @@ class Session:
         return {r.config.system: r.run_dir for r in results}
 
     def _reused_comparison(self, folder: Path, size: ReplaySize) -> dict[str, Path] | None:
-        """The comparison already in `folder` when every system has a finished run of this size."""
-        from ..tenants import expand_tenants
+        """The comparison already in `folder` when every system has a finished run that measured what
+        this one would: the same system with the same options and environment switches (its label),
+        and the same replay configuration but for where it was written."""
+        from ..run import replay_config, run_label, same_measurement
+        from ..target import SystemRequest, resolve_system
 
-        wanted = size.options()
         runs = {}
         for system in self.systems:
-            config_file = folder / system / "config.json"
-            if not (config_file.parent / "summary.json").exists():
+            run_dir = folder / system
+            if not (run_dir / "summary.json").exists():
+                print(f"not reusing {folder}: no finished run of {system}", flush=True)
                 return None
-            config = json.loads(config_file.read_text())["config"]
-            same = tuple(config["workflows"]) == expand_tenants(wanted["workflow"].split(",")) and all(
-                config[k] == wanted[k] for k in ("minutes", "scale", "functions", "max_requests", "select")
-            )
-            if not same:
-                print(f"not reusing {config_file.parent}: another replay size", flush=True)
+            stored = json.loads((run_dir / "config.json").read_text())
+            wanted = replay_config(system=system, out=run_dir, **size.options())
+            differ = same_measurement(stored["config"], wanted)
+            request = SystemRequest(system, tuple(wanted.workflows), options=dict(wanted.system_options))
+            label = run_label(wanted, resolve_system(system, request).describe())
+            if stored.get("label") != label:
+                differ.append(f"label {stored.get('label')!r}, not {label!r}")
+            if differ:
+                print(f"not reusing {run_dir}: it measured another run ({', '.join(differ)})", flush=True)
                 return None
-            runs[system] = config_file.parent
+            runs[system] = run_dir
         print(f"reusing the replay comparison in {folder}", flush=True)
         return runs
 

@@ -185,3 +185,41 @@ def test_a_figure_that_cannot_be_built_says_why(tmp_path: Path, capsys: pytest.C
     err = capsys.readouterr().err
     for figure, why in MISSING.items():
         assert f"figure {figure}: NOT BUILT: {why}" in err
+
+
+def test_reuse_takes_only_runs_that_measured_what_the_figure_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--reuse compares a stored run's whole configuration and label with the run it stands for: another
+    system, option, time scale or an ablation set in the environment is measured again, never reused."""
+    from streambox.replay.paper.session import QUICK, Session
+    from streambox.replay.run import replay_config, run_label
+    from streambox.replay.target import SystemRequest, resolve_system
+
+    systems = ("streambox", "stream-only")
+    session = Session(tmp_path, quick=True, systems=systems, reuse=True)
+
+    def store(folder: str, **change: object) -> None:
+        wanted = replay_config(system=folder, out=tmp_path / "replay" / folder, **QUICK.options())
+        config = wanted.model_copy(update=change)
+        request = SystemRequest(config.system, tuple(config.workflows), options=dict(config.system_options))
+        run = tmp_path / "replay" / folder
+        run.mkdir(parents=True, exist_ok=True)
+        label = run_label(config, resolve_system(config.system, request).describe())
+        (run / "config.json").write_text(json.dumps({"config": config.model_dump(mode="json"), "label": label}))
+        (run / "summary.json").write_text("{}")
+
+    for system in systems:
+        store(system)
+    assert session._reused_comparison(tmp_path / "replay", QUICK) is not None
+    store("streambox", minute_seconds=0.5)  # another time scale
+    assert session._reused_comparison(tmp_path / "replay", QUICK) is None
+    assert "minute_seconds" in capsys.readouterr().out
+    store("streambox", system="inprocess-cpu", system_options={})  # another system in streambox's folder
+    assert session._reused_comparison(tmp_path / "replay", QUICK) is None
+    assert "system" in capsys.readouterr().out
+    monkeypatch.setenv("STREAMBOX_POOL_MODE", "static")
+    store("streambox")  # an ablation made through the environment ...
+    monkeypatch.delenv("STREAMBOX_POOL_MODE")
+    assert session._reused_comparison(tmp_path / "replay", QUICK) is None  # ... is not StreamBox
+    assert "pool_mode=static" in capsys.readouterr().out

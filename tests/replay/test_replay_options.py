@@ -80,3 +80,22 @@ def test_a_replay_refuses_a_bad_window_workflow_or_folder_before_writing_anythin
         run_replay(minutes=1, out=afile)
     with pytest.raises(ValueError, match="--out .*afile is a file, not a folder"):
         run_comparison(["streambox", "stream-only"], minutes=1, out=afile)
+
+
+def test_a_switch_set_in_the_environment_is_part_of_the_runs_label(monkeypatch) -> None:
+    """`STREAMBOX_POOL_MODE=static` ablates StreamBox as `--set pool_mode=static` does: the run is
+    labelled so (the report sets only the unlabelled system beside the paper's claims)."""
+    from streambox.replay.run import run_label
+    from streambox.replay.target import SystemRequest, resolve_system
+
+    monkeypatch.setenv("STREAMBOX_POOL_MODE", "static")
+    monkeypatch.setenv("STREAMBOX_IO_DAEMON", "off")
+    described = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
+    assert (described["settings"]["pool_mode"], described["settings"]["io_daemon"]) == ("static", False)
+    assert run_label(ReplayConfig(), described) == "streambox[io_daemon=off,pool_mode=static]"
+    given = ReplayConfig(system_options={"Pool-Mode": "fm"})  # --set wins over the environment
+    assert run_label(given, described) == "streambox[Pool-Mode=fm,io_daemon=off]"
+    monkeypatch.delenv("STREAMBOX_POOL_MODE")
+    monkeypatch.delenv("STREAMBOX_IO_DAEMON")
+    plain = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
+    assert run_label(ReplayConfig(), plain) == "streambox"
