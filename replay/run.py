@@ -356,26 +356,10 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
     return RunResult(run_dir, summary, config)
 
 
-def run_replay(
-    trace: str | Path | None = None,
-    *,
-    workflow: str | Sequence[str] = "traffic",
-    system: str = "streambox",
-    minutes: int = 10,
-    scale: float = 1.0,
-    out: str | Path = "runs/replay",
-    target: Target | None = None,
-    **options: Any,
-) -> RunResult:
-    """Replay `minutes` of `trace` (None: the shipped sample) at `scale` times its rate against `system`
-    on `workflow` (a name, "a,b", or a list), writing the run directory `out`. Other keyword options are
-    ReplayConfig's fields (start_minute, minute_seconds, functions, select, patterns, include, mapping,
-    explicit_mapping, spacing, seed, slo_ms, max_requests, max_duration_s, request_timeout_s,
-    drain_timeout_s, sample_interval_s, system_options, overwrite, progress)."""
-    config = replay_config(
-        trace, workflow=workflow, system=system, minutes=minutes, scale=scale, out=out, **options
-    )
-    return execute(config, target)
+def run_replay(trace: str | Path | None = None, *, target: Target | None = None, **options: Any) -> RunResult:
+    """Replay the run `replay_config(trace, **options)` describes (its workflows, system, minutes, rate
+    scale and output folder: see there) against `target`, or the registry's system of that name."""
+    return execute(replay_config(trace, **options), target)
 
 
 def replay_config(
@@ -388,7 +372,11 @@ def replay_config(
     out: str | Path = "runs/replay",
     **options: Any,
 ) -> ReplayConfig:
-    """The `ReplayConfig` that `run_replay` with these arguments runs."""
+    """The `ReplayConfig` of replaying `minutes` of `trace` (None: the shipped sample) at `scale` times
+    its rate against `system` on `workflow` (a name, "a,b", or a list), into the run directory `out`.
+    Other keyword options are ReplayConfig's fields (start_minute, minute_seconds, functions, select,
+    patterns, include, mapping, explicit_mapping, spacing, seed, slo_ms, max_requests, max_duration_s,
+    request_timeout_s, drain_timeout_s, sample_interval_s, system_options, overwrite, progress)."""
     options = {name: value for name, value in options.items() if value is not None}  # None: default
     return ReplayConfig(
         trace=str(trace) if trace is not None else None,
