@@ -86,7 +86,7 @@ class WorkflowOptions(SettingsModel):
     """What every workflow-running system takes from `--set`; the rest goes to the invoker."""
 
     inputs: Literal["small", "full"] = Field(default_factory=lambda: env_default("inputs"))
-    keep_alive_s: float = Field(PAPER_KEEP_ALIVE_S, ge=0)
+    keep_alive_s: float = Field(PAPER_KEEP_ALIVE_S, ge=0, allow_inf_nan=False)  # travels as JSON: no inf
     variants: int = Field(4, ge=1, le=64)  # each is built at the start (a Traffic event: ~300 KB)
 
     @classmethod

@@ -207,6 +207,7 @@ class Mechanisms(SettingsModel):
     weights_keep_alive_s: float | None = Field(
         default_factory=env_factory("weights_keep_alive_s"),
         ge=0,
+        allow_inf_nan=False,  # a proxy's config travels as JSON, which has no infinity
         description="seconds shared model weights stay after their last use (default: keep-alive)",
     )
 

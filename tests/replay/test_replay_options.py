@@ -99,3 +99,12 @@ def test_a_switch_set_in_the_environment_is_part_of_the_runs_label(monkeypatch) 
     monkeypatch.delenv("STREAMBOX_IO_DAEMON")
     plain = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
     assert run_label(ReplayConfig(), plain) == "streambox"
+
+
+@pytest.mark.parametrize(("key", "value"), [("keep_alive_s", "inf"), ("weights_keep_alive_s", "1e999")])
+def test_an_infinite_keep_alive_is_refused_before_anything_starts(key: str, value: str) -> None:
+    """A proxy's configuration travels as JSON, which has no infinity: refused up front, named."""
+    from streambox.replay.target import SystemRequest, resolve_system
+
+    with pytest.raises(ValueError, match=f"{key} '{value}' Input should be a finite number"):
+        resolve_system("streambox", SystemRequest("streambox", ("traffic",), options={key: value}))
