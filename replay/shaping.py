@@ -296,6 +296,17 @@ def map_to_workflows(
         return {key: workflows[i * len(workflows) // len(keys)] for i, key in enumerate(keys)}
     if how == "explicit":
         explicit = explicit or {}
+        stray = [f"{name}={wf}" for name, wf in explicit.items() if wf not in workflows]
+        if stray:
+            raise ValueError(
+                f"--map {', '.join(stray)}: not one of the replayed workflows ({', '.join(workflows)})"
+            )
+        unused = [name for name in explicit if not any(_matches(key, [name]) for key in keys)]
+        if unused:
+            raise ValueError(
+                f"--map {', '.join(unused)}: no replayed function is named so (replayed: "
+                f"{', '.join(str(k) for k in keys)})"
+            )
         result, unmapped = {}, []
         for key in keys:
             hit = next((wf for name, wf in explicit.items() if _matches(key, [name])), None)

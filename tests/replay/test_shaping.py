@@ -153,6 +153,11 @@ def test_mapping_strategies():
         map_to_workflows(keys[:2], ["x"], "explicit", {"a": "x"})
     with pytest.raises(ValueError, match="unknown mapping"):
         map_to_workflows(keys, ["x"], "zigzag")
+    # A typo in --map is refused, not replayed as errors of the system under test or ignored.
+    with pytest.raises(ValueError, match=r"--map app/b=nowhere: not one of the replayed workflows \(x, y\)"):
+        map_to_workflows(keys[:2], ["x", "y"], "explicit", {"a": "y", "app/b": "nowhere"})
+    with pytest.raises(ValueError, match="--map zz: no replayed function is named so"):
+        map_to_workflows(keys[:2], ["x", "y"], "explicit", {"a": "y", "app/b": "x", "zz": "x"})
 
 
 # -- scaling -------------------------------------------------------------------------------------------
