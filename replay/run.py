@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
@@ -273,8 +273,12 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-async def _drive(target: Target, workload: Workload, config: ReplayConfig):
+async def _drive(
+    target: Target, workload: Workload, config: ReplayConfig, on_started: Callable[[], None] | None = None
+):
     await target.start()
+    if on_started is not None:
+        on_started()
     try:
         return await drive(
             target,
@@ -339,8 +343,13 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     write_json(run_dir / "config.json", described)
+
+    def started() -> None:  # what only a started system knows (its invoker's costs, versions, shares)
+        described["system_config"] = target.describe()
+        write_json(run_dir / "config.json", described)
+
     with frozen_heap() as pauses:  # the driver's own collections would delay what it sends and times
-        result = await _drive(target, workload, config)
+        result = await _drive(target, workload, config, started)
         driver_gc = pauses.counters()
     patterns = {str(c.key): c.pattern.kind for c in workload.chosen}
     write_requests(run_dir / "requests.csv", result.records, patterns)

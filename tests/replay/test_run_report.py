@@ -176,3 +176,21 @@ def test_cli_comparison_checks_every_system_before_the_first_run(tmp_path, capsy
     assert main(["replay", "--system", "inprocess-cpu,nope", "--out", str(out), "--no-progress"]) == 2
     assert "unknown system 'nope'" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_config_json_holds_what_the_started_system_describes(tmp_path, double_cls):
+    """A system knows some of its configuration only once started (an invoker's modelled costs, the
+    Redis version): config.json is written again then."""
+
+    class Started(double_cls):  # type: ignore[misc, valid-type]
+        started = False
+
+        async def start(self) -> None:
+            self.started = True
+
+        def describe(self) -> dict:
+            return {**super().describe(), "invoker": "started" if self.started else "NoneType"}
+
+    result = run_replay(None, system="x", out=tmp_path / "x", target=Started(seconds=0.01), **FAST)
+    config = json.loads((result.run_dir / "config.json").read_text())
+    assert config["system_config"]["invoker"] == "started"
