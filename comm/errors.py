@@ -21,7 +21,10 @@ class KeyExists(CommError, KeyError):
 
     def __init__(self, key: str) -> None:
         self.key = key
-        super().__init__(f"PUT {key!r}: the key already holds data; pass overwrite=True to replace it")
+        super().__init__(
+            f"PUT {key!r}: the key already holds data; delete it first (a function's ctx.delete) or put "
+            f"under another key (the store's own put also takes overwrite=True)"
+        )
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])

@@ -116,6 +116,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from .run import replay_device_mode, run_comparison, run_replay
 
     systems = _csv([args.system])
+    if not systems:
+        raise ValueError(f"--system {args.system!r} names no system; known: {', '.join(known_systems())}")
     explicit = _pairs(args.map, "--map")
     options = dict(
         workflow=args.workflow,

@@ -234,6 +234,19 @@ def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -
                 f"{fn.max_batch_size} is smaller than batch_size ({fn.batch_size}): a batch holds whole "
                 f"invocations' inputs, so it must be 1 (no batching) or at least {fn.batch_size}",
             )
+        elif fn.max_batch_size > 1 and fn.max_batch_size % fn.batch_size:
+            doc.issue(
+                ("functions", name, "max_batch_size"),
+                f"{fn.max_batch_size} is not a multiple of batch_size ({fn.batch_size}): every invocation "
+                f"brings {fn.batch_size} samples, so no batch would ever hold more than one",
+            )
+        limit_ms = fn.timeout_ms if fn.timeout_ms is not None else spec.timeout_ms
+        if fn.max_batch_size > 1 and fn.max_queue_delay_ms >= limit_ms:
+            doc.issue(
+                ("functions", name, "max_queue_delay_ms"),
+                f"{fn.max_queue_delay_ms:g} ms is not shorter than the invocation's time limit "
+                f"({limit_ms:g} ms): a call no other joins would time out waiting for its batch",
+            )
         for i, model in enumerate(fn.models):
             if problem := unknown_model(model):  # neither the zoo's nor registered in the model pool
                 doc.issue(("functions", name, "models", i), problem)

@@ -206,7 +206,8 @@ def test_reuse_takes_only_runs_that_measured_what_the_figure_would(
         run = tmp_path / "replay" / folder
         run.mkdir(parents=True, exist_ok=True)
         label = run_label(config, resolve_system(config.system, request).describe())
-        (run / "config.json").write_text(json.dumps({"config": config.model_dump(mode="json"), "label": label}))
+        stored = {"config": config.model_dump(mode="json"), "label": label}
+        (run / "config.json").write_text(json.dumps(stored))
         (run / "summary.json").write_text("{}")
 
     for system in systems:

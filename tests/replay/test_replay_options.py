@@ -108,3 +108,11 @@ def test_an_infinite_keep_alive_is_refused_before_anything_starts(key: str, valu
 
     with pytest.raises(ValueError, match=f"{key} '{value}' Input should be a finite number"):
         resolve_system("streambox", SystemRequest("streambox", ("traffic",), options={key: value}))
+
+
+@pytest.mark.parametrize("given", ["", ",,"])
+def test_a_system_list_that_names_nothing_is_refused(given: str, capsys, tmp_path) -> None:
+    from streambox.cli import main
+
+    assert main(["replay", "--system", given, "--minutes", "1", "--out", str(tmp_path / "r")]) == 2
+    assert f"--system {given!r} names no system; known: " in capsys.readouterr().err

@@ -104,6 +104,18 @@ def test_batching_fields_default_to_no_batching_and_bad_values_are_named():
         "demo.yaml:4:54: functions.e.max_batch_size: 2 is smaller than batch_size (4): a batch holds "
         "whole invocations' inputs, so it must be 1 (no batching) or at least 4"
     ]
+    # Settings under which batching cannot work: named, not accepted.
+    echo = "handler: wf_test_handlers:echo"
+    uneven = head + f"  f: {{{echo}, batch_size: 3, max_batch_size: 4, max_queue_delay_ms: 2}}\n"
+    assert errors(uneven) == [
+        "demo.yaml:4:54: functions.f.max_batch_size: 4 is not a multiple of batch_size (3): every "
+        "invocation brings 3 samples, so no batch would ever hold more than one"
+    ]
+    late = head + f"  g: {{{echo}, max_batch_size: 4, max_queue_delay_ms: 600, timeout_ms: 500}}\n"
+    assert errors(late) == [
+        "demo.yaml:4:58: functions.g.max_queue_delay_ms: 600 ms is not shorter than the invocation's time "
+        "limit (500 ms): a call no other joins would time out waiting for its batch"
+    ]
 
 
 def test_missing_keys_point_at_the_enclosing_mapping():
