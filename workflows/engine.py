@@ -11,7 +11,8 @@ Each invocation is recorded (latency as the invoker measured it, time queued beh
 invocations of that request are cancelled, its keys are dropped (`Invoker.end_request`) and the
 result says which function failed and why. Nothing a handler does can raise out of `Engine.run`.
 
-Bounds: a fan-out longer than its edge's `max_items` fails the call; items start lazily, at most
+Bounds: a fan-out longer than its edge's `max_items`, or one that would take the request past the
+workflow's `max_invocations`, fails the call; items start lazily, at most
 `LAUNCH_WINDOW` x `max_instances` tasks per function and request at a time (back-pressure), so a wide
 fan-out neither stalls the event loop nor holds a task per item; dropping a request's keys waits at
 most `END_REQUEST_WAIT_S` (a dead proxy answers at once through its client's liveness check).
@@ -31,7 +32,7 @@ from typing import Any
 from streambox.phases import OTHER, QUEUE, request_phases, split_call
 
 from .invoker import InvocationError, InvocationTimeout, Invoker
-from .spec import MAX_ITEMS_CEILING, EdgeSpec, WorkflowGraph, WorkflowSpec
+from .spec import MAX_INVOCATIONS_CEILING, MAX_ITEMS_CEILING, EdgeSpec, WorkflowGraph, WorkflowSpec
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ class _Run:
         self.collected: dict[str, dict[str, list[tuple[Path, Any]]]] = defaultdict(lambda: defaultdict(list))
         self.outputs: dict[str, list[tuple[Path, Any]]] = defaultdict(list)
         self.calls: list[CallRecord] = []
+        self.launched = 0  # invocations launched or waiting for a launch, all functions together
         self.deadline = 0.0
         self.started = time.perf_counter()
         self._group: asyncio.TaskGroup | None = None
@@ -276,6 +278,7 @@ class _Run:
         return event
 
     def _launch(self, function: str, item: Any, path: Path, after: CallRecord | None) -> None:
+        self.launched += 1
         self.inflight[function] += 1
         self.waiting[function].append((item, path, after))
         self._pump(function)
@@ -375,6 +378,15 @@ class _Run:
             record.error = (
                 f"{where} fans out {len(value)} items; the edge allows at most {edge.max_items} "
                 f"(its max_items, up to {MAX_ITEMS_CEILING})"
+            )
+            raise _CallFailed(record, f"{record.label} failed: {record.error}")
+        limit = self.wf.spec.max_invocations
+        if self.launched + len(value) > limit:
+            record.status = ERROR
+            record.error = (
+                f"{where} fans out {len(value)} items, which would take the request past {limit} "
+                f"invocations ({self.launched} so far; the workflow's max_invocations, up to "
+                f"{MAX_INVOCATIONS_CEILING})"
             )
             raise _CallFailed(record, f"{record.label} failed: {record.error}")
         return [((*record.path, i), item) for i, item in enumerate(value)]

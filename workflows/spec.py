@@ -21,6 +21,7 @@ The schema (every key is checked; unknown keys are errors)::
     edges:
       - {from: detect, to: face, select: people, fan_out: true}   # max_items: 1000 (at most 100000)
       - {from: face, to: report, fan_in: true}
+    max_invocations: 10000        # optional: invocations one request may run (at most 1000000)
 
 Semantics (the engine's, `engine.py`):
 
@@ -28,7 +29,9 @@ Semantics (the engine's, `engine.py`):
 - An edge delivers the upstream output (or its field ``select``) to the downstream function: once per
   upstream invocation, or, with ``fan_out``, once per item of that list.
 - A fan-out list longer than the edge's ``max_items`` fails the upstream call (and so the request)
-  with an error naming the edge and the limit. Items start lazily: at most twice the downstream
+  with an error naming the edge and the limit; so does one that would take the request past the
+  workflow's ``max_invocations`` (every function's invocations together: fan-outs in a row
+  multiply). Items start lazily: at most twice the downstream
   function's ``max_instances`` invocations of one request are launched at a time; the next item
   starts as one finishes (back-pressure: a wide fan-out holds no task per item).
 - A function without ``fan_in`` is invoked once per delivered item; its event is the item (a JSON
@@ -70,6 +73,10 @@ NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=64)]
 DEFAULT_MAX_ITEMS = 1000  # items one fan-out may start (per upstream invocation)
 MAX_ITEMS_CEILING = 100_000
+# Invocations one request may run, every function together: fan-outs in a row multiply, and each
+# invocation costs a task, a record in the response and an instance's time.
+DEFAULT_MAX_INVOCATIONS = 10_000
+MAX_INVOCATIONS_CEILING = 1_000_000
 
 
 class EdgeSpec(StrictModel):
@@ -91,6 +98,12 @@ class WorkflowSpec(StrictModel):
     output: Name | None = None
     functions: dict[Name, FunctionSpec] = Field(min_length=1)
     edges: list[EdgeSpec] = Field(default_factory=list)
+    max_invocations: int = Field(
+        DEFAULT_MAX_INVOCATIONS,
+        ge=1,
+        le=MAX_INVOCATIONS_CEILING,
+        description="invocations one request may run, all functions together (fan-outs multiply)",
+    )
 
     # Where the YAML file lives: handler modules beside it are importable (see `handlers.py`).
     _base_dir: Path | None = PrivateAttr(default=None)

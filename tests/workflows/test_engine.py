@@ -268,3 +268,27 @@ def test_unknown_workflow_and_duplicate_deploy(make_invoker, run):
         await engine.close()
 
     run(go())
+
+
+def test_fan_outs_in_a_row_stop_at_the_workflows_max_invocations(make_invoker, run):
+    """Each fan-out is within its max_items, but two in a row multiply: the request stops at
+    max_invocations, every function's invocations together, with the bound named."""
+    text = """
+name: nested
+slo_ms: 1000
+max_invocations: 10
+functions:
+  outer: {handler: wf_test_handlers:split}
+  inner: {handler: wf_test_handlers:split, max_instances: 4}
+  leaf: {handler: wf_test_handlers:echo, max_instances: 4}
+edges:
+  - {from: outer, to: inner, select: items, fan_out: true}
+  - {from: inner, to: leaf, select: items, fan_out: true}
+"""
+    small, big = run(run_once(make_invoker(), spec_of(text), {"count": 2}, {"count": 3}))
+    assert small.ok and len(small.calls) == 1 + 2 + 4
+    assert big.status == "error" and big.error.endswith(
+        "edge inner -> leaf fans out 3 items, which would take the request past 10 invocations "
+        "(10 so far; the workflow's max_invocations, up to 1000000)"
+    )
+    assert len(big.calls) <= 10

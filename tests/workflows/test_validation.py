@@ -221,11 +221,11 @@ def test_yaml_mistakes_duplicate_keys_and_non_mappings():
     ) == ["demo.yaml:3:1: slo_ms: duplicate key"]
     assert errors("- a\n- b\n") == [
         "demo.yaml:1:1: a workflow is a YAML mapping with the keys name, description, slo_ms, timeout_ms, "
-        "output, functions, edges; found a list"
+        "output, functions, edges, max_invocations; found a list"
     ]
     assert errors("") == [
         "demo.yaml: a workflow is a YAML mapping with the keys name, description, slo_ms, timeout_ms, "
-        "output, functions, edges; found an empty file"
+        "output, functions, edges, max_invocations; found an empty file"
     ]
 
 
