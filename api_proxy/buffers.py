@@ -24,11 +24,15 @@ class Buffer:
     holders: set[Hashable] = field(default_factory=set)
     events: list[Any] = field(default_factory=list)  # completion events left by past holders
     external: bool = False  # the communication store owns the bytes: never freed from here
+    maker: Hashable | None = None  # the holder that made it, while its bytes count against that holder
 
 
 class BufferTable:
     def __init__(self) -> None:
         self._buffers: dict[int, Buffer] = {}
+        # Bytes of the buffers each holder made (its first holder) and the proxy still frees: what an
+        # invocation's device memory quota counts (a PUT hands the bytes to the store's own quota).
+        self._made: dict[Hashable, int] = {}
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -48,11 +52,29 @@ class BufferTable:
         if old is not None and not old.external:
             raise KeyError(f"buffer {address:#x} is already registered")
         buf = self._buffers[address] = Buffer(address, nbytes, payload, {holder}, external=external)
+        if not external:
+            buf.maker = holder
+            self._made[holder] = self._made.get(holder, 0) + nbytes
         return buf
+
+    def made_by(self, holder: Hashable) -> int:
+        """Bytes of the live buffers `holder` made that are not the store's."""
+        return self._made.get(holder, 0)
+
+    def _unmade(self, buf: Buffer) -> None:
+        maker, buf.maker = buf.maker, None
+        if maker is not None:
+            left = self._made[maker] - buf.nbytes
+            if left:
+                self._made[maker] = left
+            else:
+                del self._made[maker]
 
     def disown(self, address: int) -> None:
         """The store took the buffer over (PUT): it stays nameable, and is never freed from here."""
-        self._buffers[address].external = True
+        buf = self._buffers[address]
+        buf.external = True
+        self._unmade(buf)
 
     def hold(self, address: int, holder: Hashable) -> Buffer:
         buf = self._buffers[address]
@@ -71,6 +93,7 @@ class BufferTable:
         if buf.holders:
             return None
         del self._buffers[address]
+        self._unmade(buf)
         return buf
 
     def held_by(self, holder: Hashable) -> list[int]:

@@ -76,6 +76,11 @@ class DeviceFailed(ProxyError):
     after free); the message starts with the device error's type."""
 
 
+class QuotaExceeded(ProxyError, MemoryError):
+    """An invocation asked for device memory beyond its bound (`invocation_device_bytes`), or the
+    store refused a PUT over one of its bounds: nothing was taken."""
+
+
 _REGISTRY: dict[str, type[BaseException]] = {
     cls.__name__: cls
     for cls in (
@@ -92,6 +97,7 @@ _REGISTRY: dict[str, type[BaseException]] = {
         ChannelClosed,
         CallFailed,
         DeviceFailed,
+        QuotaExceeded,
     )
 }
 # Errors of other components, rebuilt as the closest class here (the message keeps the original type).

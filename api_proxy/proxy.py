@@ -135,6 +135,7 @@ class ProxyServer:
             self.model_pool,
             model_shapes=cfg.model_shapes,
             post=self.calls.post,
+            invocation_bytes=cfg.invocation_device_bytes,
             issuer=(
                 Issuer(
                     self.transport.wake,

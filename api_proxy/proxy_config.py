@@ -78,6 +78,10 @@ class ProxyConfig(Mechanisms, Tuning):
     spin_us: float = 200.0  # how long a waiting side spins before it sleeps on its doorbell
     poll_us: float = 200.0  # `poll` completion: the pause between two queries of pending events
     ring_bytes: int = Field(1 << 20, ge=1)
+    # Device bytes one invocation may hold at once in buffers it made (uploads, allocs, its inferences'
+    # outputs; not what it PUT, which the store's quota bounds): a handler that allocates in a loop
+    # fails its own call instead of taking the GPU from the workflow's other functions.
+    invocation_device_bytes: int = Field(4 << 30, ge=1)
     # Plans are issued by this many issuer threads, each waiting every `issue_slice` kernels for the
     # dispatcher to have nothing else to do (api_proxy/issuer.py); 0: issued on the dispatcher.
     issue_threads: int = Field(2, ge=0)

@@ -33,7 +33,7 @@ from streambox.phases import COMM, MODEL_LOAD
 from .batched_infer import Batching
 from .buffers import BufferTable
 from .device_tensor import DeviceTensor
-from .errors import IsolationError, UnknownHandle, UnknownModel
+from .errors import IsolationError, QuotaExceeded, UnknownHandle, UnknownModel
 from .function_spec import ProxyFunction
 from .handles import DTYPES, Handle
 from .issuer import Issuer
@@ -81,6 +81,7 @@ class Resources:
         model_shapes: str,
         post: Callable[[Callable[[], None]], None],
         issuer: Issuer | None = None,
+        invocation_bytes: int = 4 << 30,
     ) -> None:
         self.workflow, self.runtime, self.memory, self.io, self.store = workflow, runtime, memory, io, store
         self.model_pool = model_pool
@@ -89,6 +90,7 @@ class Resources:
         self._post = post  # runs a function on the dispatcher (from any thread)
         self.issuer = issuer  # issues plans off the dispatcher (None: on it)
         self.buffers = BufferTable()
+        self.invocation_bytes = invocation_bytes  # device bytes one invocation's own buffers may hold
         self.batching = Batching()  # infers of concurrent invocations gathered into batches
         self.service = runtime.create_stream()  # frees of buffers that outlive their holders
         self.plans: dict[PlanKey, KernelPlan] = {}
@@ -254,6 +256,15 @@ class Resources:
         if any(d < 0 for d in shape):
             raise ValueError(f"negative dimension in shape {shape}")
         nbytes = math.prod(shape) * dtype.itemsize
+        inv = inst.invocation
+        if inv is not None:
+            held = self.buffers.made_by(inv.holder)
+            if held + nbytes > self.invocation_bytes:
+                raise QuotaExceeded(
+                    f"{inst.spec.name}: allocating {nbytes} bytes would hold {held + nbytes} device bytes "
+                    f"in this invocation's buffers; at most {self.invocation_bytes} "
+                    f"(invocation_device_bytes; free or put what it no longer needs)"
+                )
         address = self.memory.allocator.allocate(max(nbytes, 1), inst.stream)
         return DeviceTensor(address, dtype, shape, contiguous_strides(shape), nbytes)
 

@@ -1,0 +1,73 @@
+"""One invocation's device memory is bounded (`invocation_device_bytes`): a handler that allocates in
+a loop fails its own call with `QuotaExceeded`, holds nothing afterwards, and the workflow's other
+functions keep their weights and run; what an invocation PUT is the store's (its own quota), not
+counted against the invocation."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from streambox.api_proxy.control import ProxyProcess, launch_proxy
+from streambox.api_proxy.errors import FunctionFailed
+from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
+
+MIB = 1 << 20
+HANDLERS = textwrap.dedent(
+    """
+    import torch
+    import streambox
+
+    @streambox.function
+    def hog(ctx, event):
+        held = []
+        for _ in range(event["n"]):
+            held.append(ctx.alloc(event["mib"] << 20))
+        return len(held)
+
+    @streambox.function
+    def stash(ctx, event):
+        # Puts what it allocates: the store holds those bytes, the invocation no longer does.
+        for i in range(event["n"]):
+            ctx.put(ctx.key(f"part/{i}"), ctx.alloc(event["mib"] << 20)).result()
+        return event["n"]
+
+    @streambox.function(models=["resnet18"])
+    def classify(ctx, event):
+        (logits,) = ctx.infer("resnet18", ctx.upload(torch.ones(1, 3, 32, 32)))
+        return list(ctx.download(logits).shape)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory) -> ProxyProcess:
+    root = tmp_path_factory.mktemp("quota")
+    (root / "quota_handlers.py").write_text(HANDLERS)
+    functions = (
+        ProxyFunction("hog", "quota_handlers:hog"),
+        ProxyFunction("stash", "quota_handlers:stash"),
+        ProxyFunction("classify", "quota_handlers:classify", models=("resnet18",)),
+    )
+    config = ProxyConfig(
+        workflow="wfquota", functions=functions, sys_path=(str(root),), state_dir=str(root / "state"),
+        invocation_device_bytes=64 * MIB,
+    )
+    started = launch_proxy(config)
+    yield started
+    started.stop()
+
+
+def test_an_invocation_past_its_device_bytes_fails_alone_and_holds_nothing(proxy, settled) -> None:
+    assert proxy.client.invoke("hog", {"n": 4, "mib": 16})["output"] == 4  # exactly at the bound
+    with pytest.raises(FunctionFailed, match="QuotaExceeded: hog: allocating 16777216 bytes would hold "
+                       "83886080 device bytes in this invocation's buffers; at most 67108864"):
+        proxy.client.invoke("hog", {"n": 1000, "mib": 16})
+    assert settled(proxy.client, lambda s: s["buffers"] == 0)["buffers"] == 0  # the failed one's too
+    assert proxy.client.invoke("classify", {})["output"] == [1, 1000]  # the others run as before
+
+
+def test_what_an_invocation_put_counts_against_the_store_not_the_invocation(proxy) -> None:
+    assert proxy.client.invoke("stash", {"n": 8, "mib": 16}, request_id="r-stash")["output"] == 8
+    proxy.client.end_request("r-stash")
