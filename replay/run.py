@@ -327,7 +327,7 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
     run_dir = Path(config.out)
     check_out_folder(run_dir)
     if (run_dir / "summary.json").exists() and not config.overwrite:
-        raise ValueError(f"{run_dir} already holds a run (summary.json); choose another --out or overwrite")
+        raise ValueError(f"{run_dir} already holds a run (summary.json); choose another --out or --overwrite")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").unlink(missing_ok=True)
     system_config = target.describe()
@@ -442,6 +442,13 @@ def run_comparison(
     if len(set(systems)) < len(systems):
         raise ValueError(f"a system is named twice in {', '.join(systems)}: each writes out/<system>")
     check_out_folder(Path(out))
+    if not options.get("overwrite"):  # found now, not after the systems before it have replayed
+        done = [s for s in systems if (Path(out) / s / "summary.json").exists()]
+        if done:
+            raise ValueError(
+                f"{', '.join(str(Path(out) / s) for s in done)} already hold(s) a run (summary.json); "
+                "choose another --out or --overwrite"
+            )
     if options.get("target") is None:
         # Fail before the first run, not after it: an unknown system, or options one of them refuses
         # (e.g. `rz=off` where stream-only has no IO daemon).

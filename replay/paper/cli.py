@@ -68,6 +68,12 @@ def cmd_paper(args: argparse.Namespace) -> int:
         systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
         if not systems or len(set(systems)) < len(systems):
             raise ValueError(f"--systems must name each system once, comma-separated; got {args.systems!r}")
+        others = [s for s in systems if s not in paper_systems()]
+        if others:  # the paper's numbers are Table 2's systems'; found now, not after the replays
+            raise ValueError(
+                f"--systems: {', '.join(others)} not among Table 2's systems that the replay knows "
+                f"({', '.join(paper_systems())}; infless was once called monolithic)"
+            )
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     check_out_folder(args.out)

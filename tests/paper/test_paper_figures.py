@@ -224,3 +224,14 @@ def test_reuse_takes_only_runs_that_measured_what_the_figure_would(
     monkeypatch.delenv("STREAMBOX_POOL_MODE")
     assert session._reused_comparison(tmp_path / "replay", QUICK) is None  # ... is not StreamBox
     assert "pool_mode=static" in capsys.readouterr().out
+
+
+def test_systems_a_figure_cannot_use_are_refused_before_anything_is_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "paper"
+    assert main(["paper", "12", "--quick", "--out", str(out), "--systems", "stream-only,infless"]) == 3
+    assert "figure 12: NOT BUILT: the figure compares streambox with the baselines" in capsys.readouterr().err
+    assert not (out / "replay").exists()  # said before replaying anything
+    assert main(["paper", "12", "--quick", "--out", str(out), "--systems", "streambox,monolithic"]) == 2
+    assert "--systems: monolithic not among Table 2's systems" in capsys.readouterr().err

@@ -116,3 +116,13 @@ def test_a_system_list_that_names_nothing_is_refused(given: str, capsys, tmp_pat
 
     assert main(["replay", "--system", given, "--minutes", "1", "--out", str(tmp_path / "r")]) == 2
     assert f"--system {given!r} names no system; known: " in capsys.readouterr().err
+
+
+def test_a_comparison_refuses_a_finished_run_in_its_folder_before_its_first_replay(tmp_path) -> None:
+    from streambox.replay.run import run_comparison
+
+    (tmp_path / "stream-only").mkdir()
+    (tmp_path / "stream-only" / "summary.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"stream-only already hold\(s\) a run .* or --overwrite"):
+        run_comparison(["inprocess-cpu", "stream-only"], out=tmp_path, minutes=1)
+    assert not (tmp_path / "inprocess-cpu").exists()  # nothing replayed first
