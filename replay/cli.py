@@ -18,12 +18,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streambox.config import option_name
 from streambox.flags import DEVICE, MECHANISMS, RUN, add_setting_flags, flag_of, given_settings
 
 from .choices import MAPPINGS, PATTERNS, SELECTIONS, SPACINGS
 from .target import PLANNED_SYSTEMS, known_systems
+
+if TYPE_CHECKING:
+    from .run import RunResult
 
 
 def _pairs(values: Sequence[str] | None, flag: str) -> dict[str, str]:
@@ -145,11 +149,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     print(describe_device_mode(replay_device_mode(options["system_options"])), flush=True)
     if len(systems) > 1:
-        run_comparison(systems, out=args.out or "runs/compare", trace=args.trace, **options)
-        return 0
+        results, _ = run_comparison(systems, out=args.out or "runs/compare", trace=args.trace, **options)
+        return _exit_status(results)
     result = run_replay(args.trace, system=systems[0], out=args.out or f"runs/{systems[0]}", **options)
     print_run(result.run_dir)
-    return 0
+    return _exit_status([result])
+
+
+def _exit_status(results: Sequence[RunResult]) -> int:
+    """130 (as a shell reports Ctrl-C) when the last run was interrupted: its files hold what was
+    measured until then (`requests.stopped_by` "interrupted" in summary.json), nothing after it ran."""
+    last = results[-1]
+    if last.summary["requests"]["stopped_by"] != "interrupted":
+        return 0
+    print(f"replay interrupted: {last.run_dir} holds the requests measured until then", file=sys.stderr)
+    return 130
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -61,7 +61,7 @@ class DriveResult:
     records: list[RequestRecord]
     samples: list[dict[str, float]]
     planned: int  # arrivals after the count and duration bounds
-    stopped_by: str  # "all sent", "max_requests" or "max_duration"
+    stopped_by: str  # "all sent", "max_requests", "max_duration" or "interrupted"
     duration_s: float  # from the start to the last completion (or cancellation)
     max_outstanding: int
     sample_errors: list[str] = field(default_factory=list)
@@ -102,8 +102,11 @@ async def drive(
     sample_interval_s: float = 0.5,
     event_for: EventFactory = default_event,
     progress: bool = False,
+    stop: asyncio.Event | None = None,
 ) -> DriveResult:
-    """Send `arrivals` (sorted by time) to an already started `target`, open loop; see the module."""
+    """Send `arrivals` (sorted by time) to an already started `target`, open loop; see the module.
+    `stop` set (the user's Ctrl-C): nothing more is sent, what is outstanding is cancelled (recorded
+    so), and the result is what was measured until then (`stopped_by` "interrupted")."""
     loop = asyncio.get_running_loop()
     planned, stopped_by = _bounded(arrivals, max_requests, max_duration_s)
     records: list[RequestRecord | None] = [None] * len(planned)
@@ -138,7 +141,12 @@ async def drive(
         except TimeoutError:
             status, error = "timeout", f"no outcome within {request_timeout_s} s"
         except asyncio.CancelledError:
-            status, error = "cancelled", "still outstanding when the drain timeout ran out"
+            status = "cancelled"
+            error = (
+                "still outstanding when the replay was interrupted"
+                if stop is not None and stop.is_set()
+                else "still outstanding when the drain timeout ran out"
+            )
         except Exception as exc:  # the system's failure is a result, not a crash of the harness
             status, error = "error", f"{type(exc).__name__}: {exc}"
         latency = loop.time() - t0 - sent
@@ -181,16 +189,15 @@ async def drive(
     with bar:
         sampling = asyncio.create_task(sampler())
         for request_id, arrival in enumerate(planned):
-            await asyncio.sleep(max(t0 + arrival.time_s - loop.time(), 0))
+            if await _stopped(stop, t0 + arrival.time_s - loop.time()):
+                stopped_by = "interrupted"
+                break
             task = asyncio.create_task(one(request_id, arrival))
             outstanding.add(task)
             task.add_done_callback(outstanding.discard)
             counters["max_outstanding"] = max(counters["max_outstanding"], len(outstanding))
-        if outstanding:
-            _, pending = await asyncio.wait(set(outstanding), timeout=drain_timeout_s)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        if outstanding and await _drain(set(outstanding), drain_timeout_s, stop):
+            stopped_by = "interrupted"
         duration = loop.time() - t0
         sampling.cancel()
         await asyncio.gather(sampling, return_exceptions=True)
@@ -207,6 +214,39 @@ async def drive(
         sample_errors=sample_errors,
         started_at=started_at,
     )
+
+
+async def _drain(tasks: set[asyncio.Task], timeout_s: float, stop: asyncio.Event | None) -> bool:
+    """Wait until every one of `tasks` is done, `timeout_s` has passed, or `stop` is set, then cancel
+    what is left (each records itself cancelled); True if `stop` was set."""
+    waits = {asyncio.ensure_future(asyncio.wait(tasks))}  # cancelling this wait leaves the tasks be
+    if stop is not None:
+        waits.add(asyncio.ensure_future(stop.wait()))
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    pending = [t for t in tasks if not t.done()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return stop is not None and stop.is_set()
+
+
+async def _stopped(stop: asyncio.Event | None, delay: float) -> bool:
+    """Sleep `delay` seconds; True at once if `stop` is (or becomes) set meanwhile."""
+    if stop is None:
+        await asyncio.sleep(max(delay, 0))
+        return False
+    if stop.is_set():
+        return True
+    try:
+        async with asyncio.timeout(max(delay, 0)):
+            await stop.wait()
+        return True
+    except TimeoutError:
+        return False
 
 
 async def _take_sample(

@@ -10,12 +10,14 @@ requests.csv, samples.csv, summary.json}.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import platform
+import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
@@ -279,21 +281,53 @@ async def _drive(
     await target.start()
     if on_started is not None:
         on_started()
+    stop = asyncio.Event()
     try:
-        return await drive(
-            target,
-            workload.arrivals,
-            slo_s=config.slo_ms / 1e3,
-            max_requests=config.max_requests,
-            max_duration_s=config.max_duration_s,
-            request_timeout_s=config.request_timeout_s,
-            drain_timeout_s=config.drain_timeout_s,
-            sample_interval_s=config.sample_interval_s,
-            event_for=_event_factory(workload, config.seed),
-            progress=config.progress,
-        )
+        with _interruptible(stop):
+            return await drive(
+                target,
+                workload.arrivals,
+                slo_s=config.slo_ms / 1e3,
+                max_requests=config.max_requests,
+                max_duration_s=config.max_duration_s,
+                request_timeout_s=config.request_timeout_s,
+                drain_timeout_s=config.drain_timeout_s,
+                sample_interval_s=config.sample_interval_s,
+                event_for=_event_factory(workload, config.seed),
+                progress=config.progress,
+                stop=stop,
+            )
     finally:
         await target.close()
+
+
+@contextlib.contextmanager
+def _interruptible(stop: asyncio.Event) -> Iterator[None]:
+    """While a replay sends: Ctrl-C (SIGINT) or SIGTERM sets `stop` (the driver stops sending and the run
+    keeps what it measured) instead of raising through the event loop; a second one stops it at once.
+    Only where the loop can take signal handlers (the main thread)."""
+    loop = asyncio.get_running_loop()
+    taken = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+
+        def once(sig: signal.Signals = sig) -> None:
+            if stop.is_set():  # asked twice: the default action, now
+                loop.remove_signal_handler(sig)
+                signal.raise_signal(sig)
+                return
+            print(f"\nreplay: {sig.name}: stopping, writing what was measured", file=sys.stderr, flush=True)
+            stop.set()
+
+        try:
+            loop.add_signal_handler(sig, once)
+            taken.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such support
+            break
+    try:
+        yield
+    finally:
+        for sig in taken:
+            loop.remove_signal_handler(sig)
 
 
 def execute(config: ReplayConfig, target: Target | None = None) -> RunResult:
@@ -459,5 +493,9 @@ def run_comparison(
             resolve_system(
                 system, SystemRequest(system, workflows, options=given, time_scale=minute_seconds / 60)
             )
-    results = [run_replay(trace, system=system, out=Path(out) / system, **options) for system in systems]
+    results = []
+    for system in systems:
+        results.append(run_replay(trace, system=system, out=Path(out) / system, **options))
+        if results[-1].summary["requests"]["stopped_by"] == "interrupted":
+            break  # the user stopped the comparison: the systems after this one do not run
     return results, report([r.run_dir for r in results], Path(out) / "report")

@@ -55,6 +55,24 @@ def test_outstanding_requests_are_cancelled_after_the_drain_timeout(double_cls):
     assert result.duration_s < 5.0  # not the 30 s the requests would take
 
 
+def test_a_stop_ends_the_sending_and_keeps_what_was_measured(double_cls):
+    """The user's Ctrl-C (the run sets `stop`): no more sends, the outstanding requests are recorded
+    as cancelled at once (not after the drain timeout), the completed ones as they were."""
+    double = double_cls(seconds=0.3)
+
+    async def interrupted():
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, stop.set)
+        return await drive(double, arrivals(100, 0.05), drain_timeout_s=30.0, stop=stop)
+
+    result = run(interrupted())
+    assert result.stopped_by == "interrupted" and result.duration_s < 2.0
+    statuses = [r.status for r in result.records]
+    assert 5 <= len(statuses) <= 15 and statuses.count("ok") >= 3 and "cancelled" in statuses
+    assert all(r.error == "still outstanding when the replay was interrupted" for r in result.records
+               if r.status == "cancelled")
+
+
 def test_timeouts_and_errors_are_recorded_not_raised(double_cls):
     slow = run(drive(double_cls(seconds=5.0), arrivals(2, 0.0), request_timeout_s=0.1))
     assert [r.status for r in slow.records] == ["timeout", "timeout"]

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -194,3 +198,25 @@ def test_config_json_holds_what_the_started_system_describes(tmp_path, double_cl
     result = run_replay(None, system="x", out=tmp_path / "x", target=Started(seconds=0.01), **FAST)
     config = json.loads((result.run_dir / "config.json").read_text())
     assert config["system_config"]["invoker"] == "started"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_replay_writes_what_it_measured_and_says_so(tmp_path, sig):
+    """Ctrl-C (or SIGTERM) while a replay sends: no traceback, exit status 130, and the run directory
+    holds the requests measured until then, marked interrupted."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "streambox.cli", "replay", "--system", "inprocess-cpu"]
+    command += ["--minutes", "30", "--minute-seconds", "1", "--out", str(out), "--no-progress"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "config.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.5)  # some requests sent and answered
+    process.send_signal(sig)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and f"replay: {sig.name}: stopping" in err
+    requests = json.loads((out / "summary.json").read_text())["requests"]
+    assert requests["stopped_by"] == "interrupted" and 0 < requests["recorded"] < requests["planned"]
+    with open(out / "requests.csv") as stream:
+        assert len(list(csv.DictReader(stream))) == requests["recorded"]
