@@ -348,7 +348,19 @@ def _as_json(value: Any) -> Any:
             f"the handler's output is {len(text)} bytes as JSON, more than the bound of {MAX_OUTPUT_BYTES}; "
             "put large data in the store (ctx.put) and return its key"
         )
-    return json.loads(text)
+    # The next function gets the output as its event: the rules of a request's body (docs/workflows.md).
+    containers = text.count("[") + text.count("{")
+    if containers > wire.MAX_JSON_CONTAINERS:
+        raise FunctionFailed(
+            f"the handler's output holds about {containers} objects or lists, more than "
+            f"{wire.MAX_JSON_CONTAINERS}: put large arrays in the store (ctx.put) and return the key"
+        )
+    value = json.loads(text)
+    if wire.json_depth(value) > wire.MAX_JSON_DEPTH:
+        raise FunctionFailed(
+            f"the handler's output nests objects or lists more than {wire.MAX_JSON_DEPTH} levels deep"
+        )
+    return value
 
 
 def _result(invocation_id: int, output: Any) -> bytes:

@@ -32,6 +32,25 @@ KINDS = {CALL: "CALL", REPLY: "REPLY", INVOKE: "INVOKE", RESULT: "RESULT", HELLO
 _local = threading.local()
 
 
+MAX_JSON_DEPTH = 64  # nesting of an event's (or a handler output's) objects and lists
+#: Objects and lists in one event (or output) at most: each costs the parser ~50 bytes for 2 of the
+#: text, so a body of empty lists would take ~25x its size (counted on the text: brackets in strings too).
+MAX_JSON_CONTAINERS = 1_000_000
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and lists nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def carries_int(value: int) -> bool:
     """Whether msgpack carries `value`: integers of 64 bits, signed or unsigned."""
     return -(2**63) <= value < 2**64

@@ -23,7 +23,7 @@ import json
 import math
 from typing import Any
 
-from streambox.api_proxy.wire import carries_int
+from streambox.api_proxy.wire import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, carries_int, json_depth
 
 IMAGE_CONTENT_TYPES = ("image/jpeg", "image/png")
 _MAGIC = {b"\xff\xd8\xff": "jpeg", b"\x89PNG\r\n\x1a\n": "png", b"\x93NUMPY": "npy"}
@@ -111,25 +111,6 @@ def decode_image_field(value: object, field: str = "image"):  # -> torch.Tensor
         return decode_image_bytes(data)
     except ValueError as error:
         raise ValueError(f"{field!r}: {error}") from None
-
-
-MAX_JSON_DEPTH = 64  # nesting of an event's objects and lists
-#: Objects and lists in one event at most: each costs the parser ~50 bytes for 2 of the body, so a body
-#: of empty lists would take ~25x its size (counted before parsing; brackets in strings count too).
-MAX_JSON_CONTAINERS = 1_000_000
-
-
-def json_depth(value: Any) -> int:
-    """How deeply objects and lists nest in `value` (a scalar: 0), without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 def _no_constant(name: str) -> float:

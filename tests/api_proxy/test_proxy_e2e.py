@@ -202,6 +202,13 @@ HANDLERS = textwrap.dedent(
             return {"boxes": [ctx.upload(torch.zeros(2))], "pid": os.getpid()}
         if kind == "lookalike":  # a handle's JSON shape, made of the user's own values
             return {"row": ["w", 1, "float32", [2], [1], 8], "pid": os.getpid()}
+        if kind == "deep":  # deeper than a request body may nest
+            deep = []
+            for _ in range(100):
+                deep = [deep]
+            return deep
+        if kind == "many":  # more objects and lists than a request body may hold
+            return [[] for _ in range(1_100_000)]
         return "x" * ((64 << 20) + 1)
     """
 )
@@ -390,13 +397,16 @@ def test_a_failing_handler_fails_only_its_request(proxies, side, settled):
 
 def test_an_output_is_json_s_or_fails_its_own_request(a):
     """An output is what JSON makes of it (string keys); one JSON or the channel cannot carry (NaN, an
-    integer past 64 bits, more than the output bound) fails its request, and the instance serves on."""
+    integer past 64 bits, more than the output bound), or one a request body could not be (too deep,
+    too many objects: it is the next function's event), fails its request; the instance serves on."""
     client = a.client
     first = client.invoke("odd_output", {"kind": "intkey"}, request_id="r-intkey")["output"]
     assert first["1"] == "a"
     for kind, match in (("nan", "not JSON-able: Out of range float"), ("bigint", "64-bit"),
                         ("big", "more than the bound of 67108864"),
-                        ("handle", r"returned a device handle \(output\['boxes'\]\[0\]\): its memory")):
+                        ("handle", r"returned a device handle \(output\['boxes'\]\[0\]\): its memory"),
+                        ("deep", "nests objects or lists more than 64 levels deep"),
+                        ("many", "holds about 1100001 objects or lists, more than 1000000")):
         with pytest.raises(FunctionFailed, match=match):
             client.invoke("odd_output", {"kind": kind}, request_id=f"r-{kind}")
     after = client.invoke("odd_output", {"kind": "intkey"}, request_id="r-after")["output"]
