@@ -15,6 +15,7 @@ tensor). One `Context` serves one thread.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import threading
 import traceback
@@ -248,6 +249,8 @@ class ProxyContext:
     def put(self, key: str, handle: Handle, consumers: int | None = None, ttl: float | None = None) -> Future:
         """Publish `handle` under `key` (zero-copy); freed after `consumers` GETs, `ttl` seconds, a
         DELETE or the end of its request. Asynchronous: the future can be ignored."""
+        if isinstance(consumers, int) and not wire.carries_int(consumers):  # msgpack would refuse it here
+            raise ValueError(f"PUT {key!r}: consumers must be a positive int or None, got {consumers!r}")
         return self._client.call("put", [self._key(key), list(Handle.from_wire(handle)), consumers, ttl])
 
     def get(self, key: str, timeout: float = GET_TIMEOUT_S) -> Handle:
@@ -262,15 +265,18 @@ class ProxyContext:
     def alloc(
         self, nbytes: int | None = None, *, shape: Sequence[int] | None = None, dtype: str = "uint8"
     ) -> Handle:
-        """Device memory on the instance's stream (`nbytes`, or a `shape` of `dtype`)."""
+        """Device memory on the instance's stream (`nbytes`, or a `shape` of `dtype`: one of the two)."""
         if dtype not in DTYPES:
             raise TypeError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        if (nbytes is None) == (shape is None):
+            raise TypeError("alloc takes nbytes or shape, one of the two")
         if shape is None:
-            if nbytes is None:
-                raise TypeError("alloc needs nbytes or shape")
-            shape = [nbytes // DTYPES[dtype]]
-        shape = [int(d) for d in shape]
-        return self._client.call("alloc", [dtype, shape], Handle.from_wire).result()
+            size = _whole(nbytes, "nbytes")
+            if size % DTYPES[dtype]:
+                raise ValueError(f"alloc of {size} bytes: not a whole number of {dtype} ({DTYPES[dtype]} B)")
+            shape = [size // DTYPES[dtype]]
+        dims = [_whole(d, "a shape's dimension") for d in shape]
+        return self._client.call("alloc", [dtype, dims], Handle.from_wire).result()
 
     def free(self, handle: Handle) -> Future:
         return self._client.call("free", [list(Handle.from_wire(handle))])
@@ -326,6 +332,16 @@ def _is_handle(obj: Any) -> bool:
 #: The largest output a handler may return, in bytes of JSON: outputs travel as events to the next
 #: function and back to the caller, so they get the gateway's bound on a request body.
 MAX_OUTPUT_BYTES = 64 << 20
+
+
+def _whole(value: Any, what: str) -> int:
+    """`value` as an int if it is one (numpy's too), else `TypeError`: 1.5 bytes is a mistake, not 1."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r}") from None
 
 
 def _as_json(value: Any) -> Any:

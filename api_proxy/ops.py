@@ -181,6 +181,8 @@ def op_put(res: Resources, call: CallContext, key: Any, handle: Any, consumers: 
 
 def op_get(res: Resources, call: CallContext, key: Any, timeout: Any) -> Op:
     key = check_key(res.workflow, key, call.inv.request_id)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
+        raise TypeError(f"a GET timeout is a number of seconds, got {timeout!r}")
     timeout = float(timeout if timeout is not None else DEFAULT_GET_TIMEOUT_S)
     if not 0 <= timeout < math.inf:  # a NaN deadline would never compare due: it held every later one
         raise ValueError(f"a GET timeout is a finite number of seconds >= 0, got {timeout}")

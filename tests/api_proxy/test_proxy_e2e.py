@@ -167,6 +167,11 @@ HANDLERS = textwrap.dedent(
         calls = (
             lambda: ctx.get(ctx.key("x"), timeout=float("nan")),
             lambda: ctx.put(ctx.key("k" * 2000), ctx.upload(torch.zeros(1))).result(),
+            lambda: ctx.get(ctx.key("x"), timeout="1"),
+            lambda: ctx.alloc(1.5),
+            lambda: ctx.alloc(16, shape=[2], dtype="float32"),
+            lambda: ctx.alloc(6, dtype="float32"),
+            lambda: ctx.put(ctx.key("c"), ctx.upload(torch.zeros(1)), consumers=2**70),
         )
         out = []
         for call in calls:
@@ -338,10 +343,20 @@ def test_a_handlers_threads_call_during_its_invocation_and_not_after(a):
 def test_a_get_timeout_must_be_finite_and_a_key_short(a):
     """A NaN GET deadline never compared due: it sat at the top of the proxy's deadline heap and held
     every other GET's timeout behind it. Keys live in host memory, outside the store's byte quota."""
-    (nan, nan_message), (long, long_message) = a.client.invoke("odd_calls", {}, request_id="r-odd")["output"]
+    (nan, nan_message), (long, long_message), *slips = a.client.invoke("odd_calls", {}, request_id="r-odd")[
+        "output"
+    ]
     assert nan == long == "ValueError"
     assert "a GET timeout is a finite number of seconds >= 0, got nan" in nan_message
     assert "a key has at most 1024 characters, got 2" in long_message
+    # Argument slips are refused, not taken for something else (a string timeout, 1.5 bytes as 1).
+    assert slips == [
+        ["TypeError", "a GET timeout is a number of seconds, got '1'"],
+        ["TypeError", "nbytes must be an int, got 1.5"],
+        ["TypeError", "alloc takes nbytes or shape, one of the two"],
+        ["ValueError", "alloc of 6 bytes: not a whole number of float32 (4 B)"],
+        ["ValueError", f"PUT 'wfa/r-odd/c': consumers must be a positive int or None, got {2**70}"],
+    ]
 
 
 def test_a_launch_refuses_a_buffer_unlike_the_plans_variable(a, zoo_model):
