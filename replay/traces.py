@@ -21,6 +21,7 @@ import gzip
 import io
 import math
 import re
+import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -258,6 +259,7 @@ def read_invocations(path: str | Path) -> tuple[list[FunctionSeries], str]:
     }.get(tuple(ids), "azure2019-variant")
     width = len(header)
     series: list[FunctionSeries] = []
+    first_line: dict[str, tuple[int, int]] = {}  # app/function -> (its first line, its series' index)
     with _open_text(path) as stream:
         stream.readline()
         for number, line in _data_lines(stream):
@@ -269,15 +271,20 @@ def read_invocations(path: str | Path) -> tuple[list[FunctionSeries], str]:
             values = dict(zip(ids, cells, strict=False))
             counts = _minute_counts(path, number, cells[len(ids):], header[len(ids):])
             trigger = values.get("Trigger")
-            series.append(
-                FunctionSeries(
-                    FunctionKey(
-                        values.get("HashApp", ""), values["HashFunction"], values.get("HashOwner", "")
-                    ),
-                    trigger.strip().lower() if trigger is not None else None,
-                    counts,
+            key = FunctionKey(values.get("HashApp", ""), values["HashFunction"], values.get("HashOwner", ""))
+            seen = first_line.get(str(key))
+            if seen is not None:  # one function in two rows: one function, its invocations summed
+                line, index = seen
+                series[index].counts = series[index].counts + counts
+                warnings.warn(
+                    f"{path}, line {number}: function {key} already has line {line}; their invocations "
+                    "are added up (one function of the trace)",
+                    stacklevel=2,
                 )
-            )
+                continue
+            first_line[str(key)] = (number, len(series))
+            kind = trigger.strip().lower() if trigger is not None else None
+            series.append(FunctionSeries(key, kind, counts))
     return series, layout
 
 

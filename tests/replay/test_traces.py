@@ -117,6 +117,16 @@ def test_bad_cells_name_the_line(tmp_path):
         read_invocations(gap)
 
 
+def test_a_function_in_two_rows_is_one_function_with_their_invocations_added(tmp_path):
+    twice = tmp_path / "inv.csv"
+    rows = ["HashFunction,HashOwner,HashApp,minute_1,minute_2", "f1,o1,a1,3,4", "f2,o1,a1,1,1"]
+    rows.append("f1,o1,a1,7,0")
+    twice.write_text("\n".join(rows) + "\n")
+    with pytest.warns(UserWarning, match=r"inv.csv, line 4: function a1/f1 already has line 2; their"):
+        series, _ = read_invocations(twice)
+    assert [(str(s.key), s.counts.tolist()) for s in series] == [("a1/f1", [10, 4]), ("a1/f2", [1, 1])]
+
+
 def test_missing_trace_is_a_clear_error(tmp_path):
     with pytest.raises(TraceFormatError, match="no such trace file or folder"):
         load_trace(tmp_path / "nope.csv")
