@@ -96,12 +96,20 @@ def load_run(path: str | Path) -> Run:
 
 
 def _unique_labels(runs: list[Run]) -> None:
-    seen: dict[str, int] = {}
-    for run in runs:
-        seen[run.label] = seen.get(run.label, 0) + 1
-    for run in runs:
-        if seen[run.label] > 1:
-            run.label = f"{run.label} ({run.path.name})"
+    """Runs with one label are told apart by the shortest end of their paths that differs (a
+    comparison's folders are named after their systems: two comparisons differ in the folder above)."""
+    labels = [run.label for run in runs]
+    for label in set(labels):
+        same = [run for run in runs if run.label == label]
+        if len(same) < 2:
+            continue
+        parts = max(len(run.path.parts) for run in same)
+        for depth in range(1, parts + 1):
+            ends = [str(Path(*run.path.parts[-depth:])) for run in same]
+            if len(set(ends)) == len(ends):
+                break
+        for run, end in zip(same, ends, strict=True):
+            run.label = f"{label} ({end})"
 
 
 def _colors(runs: Sequence[Run]) -> dict[str, Any]:
@@ -281,8 +289,10 @@ def _fmt(value: Any) -> str:
 
 
 def _options(run: Run) -> str:
-    """The options part of a run's label: "[inputs=full]" of "streambox[inputs=full]", "" when none."""
-    return run.label[len(str(run.summary.get("system", ""))):]
+    """The options part of a run's label: "[inputs=full]" of "streambox[inputs=full]", "" when none
+    (the label the run wrote, not the one `_unique_labels` may have lengthened)."""
+    label = str(run.summary.get("label") or run.label)
+    return label[len(str(run.summary.get("system", ""))):]
 
 
 def _ratios(runs: list[Run]) -> list[dict[str, str]]:

@@ -122,6 +122,22 @@ def test_report_writes_the_plots_and_the_comparison(tmp_path, capsys, double_cls
     assert (out / "comparison.md").read_text().count("\n| ") >= 3
 
 
+def test_two_comparisons_in_one_report_are_told_apart_and_keep_their_paper_table(tmp_path, double_cls):
+    """Two comparisons' folders are named after their systems: the report names each run by the
+    folder above it, not "streambox (streambox)" twice, and still sets StreamBox beside the paper."""
+    runs = []
+    for compare in ("monday", "tuesday"):
+        for system in ("streambox", "stream-only"):
+            runs.append(_replay(tmp_path / compare, double_cls, system, 0.005).run_dir)
+    report(runs, tmp_path / "report")
+    comparison = json.loads((tmp_path / "report" / "comparison.json").read_text())
+    assert [r["system"] for r in comparison["rows"]] == [
+        "streambox (monday/streambox)", "stream-only (monday/stream-only)",
+        "streambox (tuesday/streambox)", "stream-only (tuesday/stream-only)",
+    ]
+    assert comparison["ratios"] and comparison["ratios"][0]["mean memory (paper)"].startswith("-71%")
+
+
 def test_a_baseline_whose_every_request_failed_gets_na_ratios_not_a_crash(tmp_path, capsys, double_cls):
     """The first replay on a real GPU failed every request of both systems (a kernel bug since fixed):
     the report divided by a throughput of 0 and lost the runs' table."""
