@@ -36,8 +36,25 @@ def _pairs(values: Sequence[str] | None, flag: str) -> dict[str, str]:
         key, sep, item = value.partition("=")
         if not sep or not key:
             raise ValueError(f"{flag} takes KEY=VALUE, got {value!r}")
-        result[key.strip()] = item.strip()
+        key = key.strip()
+        if key in result:
+            raise ValueError(f"{flag} {key} given twice ({result[key]!r}, then {item.strip()!r})")
+        result[key] = item.strip()
     return result
+
+
+_TRUE, _FALSE = {"on", "true", "yes", "1"}, {"off", "false", "no", "0"}
+
+
+def _same_value(a: str, b: str) -> bool:
+    """Whether two spellings of a setting mean the same: `pa=false` and `--pa off`, `01` and `1`."""
+    a, b = a.strip().lower(), b.strip().lower()
+    if a == b or {a, b} <= _TRUE or {a, b} <= _FALSE:
+        return True
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
 
 
 def _csv(values: Sequence[str] | None) -> tuple[str, ...]:
@@ -46,9 +63,14 @@ def _csv(values: Sequence[str] | None) -> tuple[str, ...]:
 
 def system_options(args: argparse.Namespace) -> dict[str, str]:
     """`--set KEY=VALUE` items and the settings flags given, as one mapping of the tree's names."""
-    options = {option_name(key): value for key, value in _pairs(args.set, "--set").items()}
+    options: dict[str, str] = {}
+    for key, value in _pairs(args.set, "--set").items():
+        name = option_name(key)
+        if name in options:
+            raise ValueError(f"--set {name} given twice ({options[name]!r}, then {value!r})")
+        options[name] = value
     for name, value in given_settings(args, RUN, MECHANISMS, DEVICE).items():
-        if options.setdefault(name, value) != value:
+        if not _same_value(options.setdefault(name, value), value):
             raise ValueError(f"{flag_of(name)} {value} and --set {name}={options[name]} disagree")
     return options
 

@@ -45,6 +45,12 @@ def test_flags_and_set_are_one_mapping_of_the_trees_names() -> None:
     assert system_options(args) == {"device_mode": "functional", "inputs": "full"}
     with pytest.raises(ValueError, match="--am off and --set am=on disagree"):
         system_options(parser.parse_args(["replay", "--am", "off", "--set", "am=on"]))
+    # One setting given twice is a mistake; the same value spelled two ways is not.
+    with pytest.raises(ValueError, match=r"--set pa given twice \('off', then 'on'\)"):
+        system_options(parser.parse_args(["replay", "--set", "pa=off", "--set", "pa=on"]))
+    with pytest.raises(ValueError, match=r"--set pa given twice"):
+        system_options(parser.parse_args(["replay", "--set", "PA=off", "--set", "pa=off"]))
+    assert system_options(parser.parse_args(["replay", "--set", "pa=false", "--pa", "off"])) == {"pa": "false"}
     assert ReplayConfig(system_options={"pa": "off"}).label == "streambox[pa=off]"
 
 
