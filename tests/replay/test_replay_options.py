@@ -50,7 +50,8 @@ def test_flags_and_set_are_one_mapping_of_the_trees_names() -> None:
         system_options(parser.parse_args(["replay", "--set", "pa=off", "--set", "pa=on"]))
     with pytest.raises(ValueError, match=r"--set pa given twice"):
         system_options(parser.parse_args(["replay", "--set", "PA=off", "--set", "pa=off"]))
-    assert system_options(parser.parse_args(["replay", "--set", "pa=false", "--pa", "off"])) == {"pa": "false"}
+    same = parser.parse_args(["replay", "--set", "pa=false", "--pa", "off"])
+    assert system_options(same) == {"pa": "false"}
     assert ReplayConfig(system_options={"pa": "off"}).label == "streambox[pa=off]"
 
 
