@@ -40,7 +40,7 @@ from streambox.phases import QUEUE
 
 from .batcher import Batch, Gatherer, Limits
 from .device_tensor import DeviceTensor
-from .errors import ProxyError
+from .errors import ProxyError, QuotaExceeded
 from .executor import RunResult
 from .function_spec import ProxyFunction
 from .handles import Handle
@@ -234,7 +234,7 @@ def _run_batch(
         try:
             for i, name in enumerate(plan.inputs):
                 var = plan.variables[name]
-                t = gathered[name] = res.alloc(call.inst, var.torch_dtype, tuple(var.shape))
+                t = gathered[name] = res.alloc(call.inst, var.torch_dtype, tuple(var.shape), quota=False)
                 offset = 0
                 for m in members:
                     src = m.inputs[i]
@@ -254,6 +254,14 @@ def _run_batch(
     for m, tensors in zip(members, per_member, strict=True):
         if m is not batch.leader and not m.alive:  # ended while the batch ran: nobody to own its rows
             res.memory.pool.free_many([t.address for t in tensors], call.inst.stream)
+            continue
+        try:  # its rows count against its own invocation's quota, as its own inference's would
+            res.check_quota(m.call.inst.spec.name, m.call.inv, sum(t.nbytes for t in tensors))
+        except QuotaExceeded as exc:
+            res.memory.pool.free_many([t.address for t in tensors], call.inst.stream)
+            if m is batch.leader:
+                raise
+            m.result.set_exception(exc)
             continue
         handles = [res.register(t, m.call.inv) for t in tensors]
         if m is batch.leader:
@@ -289,7 +297,7 @@ def _scatter(
         row_bytes = out.nbytes // int(out.shape[0])
         offset = 0
         for mine, m in zip(per_member, members, strict=True):
-            t = res.alloc(call.inst, out.dtype, (m.samples, *out.shape[1:]))
+            t = res.alloc(call.inst, out.dtype, (m.samples, *out.shape[1:]), quota=False)  # its caller's
             res.runtime.copy_dtod_async(t.address, out.address + offset, t.nbytes, stream)
             offset += m.samples * row_bytes
             mine.append(t)

@@ -23,7 +23,7 @@ from streambox.kernel_compiler.plan import KernelPlan
 
 from .batched_infer import infer_batched, joinable, limits_of
 from .device_tensor import DeviceTensor
-from .errors import KeyNotFound, ProxyError
+from .errors import KeyNotFound, ProxyError, QuotaExceeded
 from .executor import ELEMENTS_PER_BLOCK, RunResult
 from .handles import Handle, check_key
 from .resources import Resources, torch_dtype
@@ -150,13 +150,20 @@ def _checked_inputs(model: str, plan: KernelPlan, given: list[DeviceTensor]) -> 
 def _output_handles(
     res: Resources, call: CallContext, model: str, plan: KernelPlan, result: RunResult
 ) -> list[Handle]:
+    own = [n for n in plan.outputs if plan.variables[plan.root(n)].kind in ("output", "intermediate")]
+    fresh = [result.outputs[n] for n in own if result.outputs[n].address not in res.buffers]
+    try:  # the run's outputs count against the invocation's quota, as its allocations do
+        res.check_quota(call.inst.spec.name, call.inv, sum(t.nbytes for t in fresh))
+    except QuotaExceeded:
+        res.memory.pool.free_many([t.address for t in fresh], call.inst.stream)
+        raise
     handles = []
     for name in plan.outputs:
         out = result.outputs[name]
         if out.address in res.buffers:
             res.buffers.hold(out.address, call.inv.holder)
             handles.append(res.handle(out))
-        elif plan.variables[plan.root(name)].kind in ("output", "intermediate"):
+        elif name in own:
             handles.append(res.register(out, call.inv))
         else:
             raise ProxyError(f"model {model!r}: output {name} aliases a weight; not supported")

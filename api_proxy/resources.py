@@ -252,21 +252,28 @@ class Resources:
         dtype = str(t.dtype).removeprefix("torch.")
         return Handle(self.workflow, t.address, dtype, tuple(t.shape), tuple(t.strides), t.nbytes)
 
-    def alloc(self, inst: Instance, dtype: torch.dtype, shape: tuple[int, ...]) -> DeviceTensor:
+    def alloc(
+        self, inst: Instance, dtype: torch.dtype, shape: tuple[int, ...], *, quota: bool = True
+    ) -> DeviceTensor:
+        """Device memory on `inst`'s stream, within its invocation's quota (`quota=False`: the proxy's
+        own buffers that the invocation will not hold, e.g. a batch's gathered inputs)."""
         if any(d < 0 for d in shape):
             raise ValueError(f"negative dimension in shape {shape}")
         nbytes = math.prod(shape) * dtype.itemsize
-        inv = inst.invocation
-        if inv is not None:
-            held = self.buffers.made_by(inv.holder)
-            if held + nbytes > self.invocation_bytes:
-                raise QuotaExceeded(
-                    f"{inst.spec.name}: allocating {nbytes} bytes would hold {held + nbytes} device bytes "
-                    f"in this invocation's buffers; at most {self.invocation_bytes} "
-                    f"(invocation_device_bytes; free or put what it no longer needs)"
-                )
+        if quota and inst.invocation is not None:
+            self.check_quota(inst.spec.name, inst.invocation, nbytes)
         address = self.memory.allocator.allocate(max(nbytes, 1), inst.stream)
         return DeviceTensor(address, dtype, shape, contiguous_strides(shape), nbytes)
+
+    def check_quota(self, function: str, inv: Invocation, nbytes: int) -> None:
+        """Raise `QuotaExceeded` unless `inv` may hold `nbytes` more device bytes of its own."""
+        held = self.buffers.made_by(inv.holder)
+        if held + nbytes > self.invocation_bytes:
+            raise QuotaExceeded(
+                f"{function}: {nbytes} more bytes would hold {held + nbytes} device bytes in this "
+                f"invocation's buffers; at most {self.invocation_bytes} (invocation_device_bytes; free "
+                "or put what it no longer needs)"
+            )
 
     def upload(self, inst: Instance, inv: Invocation, payload: Any) -> DeviceTensor:
         dtype_name, shape, data = payload

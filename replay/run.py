@@ -115,6 +115,10 @@ class ReplayConfig(SettingsModel):
         return f"{self.system}[{listed}]" if listed else self.system
 
 
+#: Settings the environment also sets under another name (`Config`'s `inputs` is `model_shapes` too).
+ENV_ALIASES: dict[str, tuple[str, ...]] = {"inputs": ("model_shapes",)}
+
+
 def environment_options(
     settings: Mapping[str, Any], given: Mapping[str, Any], environ: Mapping[str, str]
 ) -> dict[str, str]:
@@ -122,11 +126,18 @@ def environment_options(
     the README documents for every flag) and `--set` did not: part of what ran, so part of the run's
     label, so that an ablation made that way is not reported as the system itself."""
     named = {option_name(k) for k in given}
-    return {
-        key: environ[f"{ENV_PREFIX}{key.upper()}"]
-        for key in settings
-        if key != "system" and key not in named and f"{ENV_PREFIX}{key.upper()}" in environ
-    }
+    upper = {name.upper(): value for name, value in environ.items()}  # as the settings read it
+    found = {}
+    for key in settings:
+        if key == "system" or key in named:
+            continue
+        for spelling in (key, *ENV_ALIASES.get(key, ())):
+            value = upper.get(f"{ENV_PREFIX}{spelling.upper()}")
+            if value is not None:
+                found[key] = value
+                break
+    return found
+
 
 
 @dataclass
@@ -279,10 +290,10 @@ async def _drive(
     target: Target, workload: Workload, config: ReplayConfig, on_started: Callable[[], None] | None = None
 ):
     await target.start()
-    if on_started is not None:
-        on_started()
     stop = asyncio.Event()
     try:
+        if on_started is not None:
+            on_started()
         with _interruptible(stop):
             return await drive(
                 target,

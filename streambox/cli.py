@@ -414,6 +414,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(_command_in(argv)).parse_args(argv)
     try:
         return int(command_handler(args)(args))
+    except KeyboardInterrupt as interrupted:  # Ctrl-C: one line, the status a shell gives it
+        why = f": {interrupted}" if str(interrupted) else ""
+        print(f"streambox {args.command}: interrupted{why}", file=sys.stderr)
+        return 130
     except Exception as error:
         # A DeviceError can only come from the device package once imported (it imports torch).
         device = sys.modules.get("streambox.device")

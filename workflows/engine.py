@@ -350,9 +350,20 @@ class _Run:
 
     def _deliver(self, record: CallRecord, output: Any) -> None:
         self.outputs[record.function].append((record.path, output))
-        for edge in self.wf.graph.downstream[record.function]:
-            for path, item in self._items(record, edge, output):
-                if self.wf.graph.is_fan_in(edge.to):
+        graph = self.wf.graph
+        deliveries = [(edge, self._items(record, edge, output)) for edge in graph.downstream[record.function]]
+        launches = sum(len(items) for edge, items in deliveries if not graph.is_fan_in(edge.to))
+        limit = self.wf.spec.max_invocations
+        if self.launched + launches > limit:
+            record.status = ERROR
+            record.error = (
+                f"its output would start {launches} invocations, which would take the request past {limit} "
+                f"({self.launched} so far; the workflow's max_invocations, up to {MAX_INVOCATIONS_CEILING})"
+            )
+            raise _CallFailed(record, f"{record.label} failed: {record.error}")
+        for edge, items in deliveries:
+            for path, item in items:
+                if graph.is_fan_in(edge.to):
                     self.collected[edge.to][edge.source].append((path, item))
                 else:
                     self._launch(edge.to, item, path, record)
@@ -378,15 +389,6 @@ class _Run:
             record.error = (
                 f"{where} fans out {len(value)} items; the edge allows at most {edge.max_items} "
                 f"(its max_items, up to {MAX_ITEMS_CEILING})"
-            )
-            raise _CallFailed(record, f"{record.label} failed: {record.error}")
-        limit = self.wf.spec.max_invocations
-        if self.launched + len(value) > limit:
-            record.status = ERROR
-            record.error = (
-                f"{where} fans out {len(value)} items, which would take the request past {limit} "
-                f"invocations ({self.launched} so far; the workflow's max_invocations, up to "
-                f"{MAX_INVOCATIONS_CEILING})"
             )
             raise _CallFailed(record, f"{record.label} failed: {record.error}")
         return [((*record.path, i), item) for i, item in enumerate(value)]

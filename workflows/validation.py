@@ -234,11 +234,12 @@ def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -
                 f"{fn.max_batch_size} is smaller than batch_size ({fn.batch_size}): a batch holds whole "
                 f"invocations' inputs, so it must be 1 (no batching) or at least {fn.batch_size}",
             )
-        elif fn.max_batch_size > 1 and fn.max_batch_size % fn.batch_size:
+        elif 1 < fn.max_batch_size < 2 * fn.batch_size:
             doc.issue(
                 ("functions", name, "max_batch_size"),
-                f"{fn.max_batch_size} is not a multiple of batch_size ({fn.batch_size}): every invocation "
-                f"brings {fn.batch_size} samples, so no batch would ever hold more than one",
+                f"{fn.max_batch_size} is less than two invocations' samples ({2 * fn.batch_size}, "
+                f"batch_size {fn.batch_size} each): no batch would ever hold more than one; set 1 (no "
+                f"batching) or at least {2 * fn.batch_size}",
             )
         limit_ms = fn.timeout_ms if fn.timeout_ms is not None else spec.timeout_ms
         if fn.max_batch_size > 1 and fn.max_queue_delay_ms >= limit_ms:

@@ -150,6 +150,8 @@ class Session:
         results, _ = run_comparison(
             self.systems, out=folder, overwrite=True, progress=self.progress, **size.options()
         )
+        if results[-1].summary["requests"]["stopped_by"] == "interrupted":
+            raise KeyboardInterrupt(f"the replay comparison in {folder} was interrupted")  # no figure of it
         return {r.config.system: r.run_dir for r in results}
 
     def _reused_comparison(self, folder: Path, size: ReplaySize) -> dict[str, Path] | None:
@@ -164,6 +166,10 @@ class Session:
             run_dir = folder / system
             if not (run_dir / "summary.json").exists():
                 print(f"not reusing {folder}: no finished run of {system}", flush=True)
+                return None
+            summary = json.loads((run_dir / "summary.json").read_text())
+            if summary.get("requests", {}).get("stopped_by") == "interrupted":
+                print(f"not reusing {folder}: the run of {system} was interrupted", flush=True)
                 return None
             stored = json.loads((run_dir / "config.json").read_text())
             wanted = replay_config(system=system, out=run_dir, **size.options())

@@ -34,6 +34,13 @@ HANDLERS = textwrap.dedent(
         return event["n"]
 
     @streambox.function(models=["resnet18"])
+    def infer_loop(ctx, event):
+        # Holds most of its bound, then keeps every inference's output: those count too.
+        x = ctx.upload(torch.ones(1, 3, 32, 32))
+        ctx.alloc(event["held"])  # the invocation's until it ends
+        return len([ctx.infer("resnet18", x) for _ in range(event["n"])])
+
+    @streambox.function(models=["resnet18"])
     def classify(ctx, event):
         (logits,) = ctx.infer("resnet18", ctx.upload(torch.ones(1, 3, 32, 32)))
         return list(ctx.download(logits).shape)
@@ -49,6 +56,7 @@ def proxy(tmp_path_factory) -> ProxyProcess:
         ProxyFunction("hog", "quota_handlers:hog"),
         ProxyFunction("stash", "quota_handlers:stash"),
         ProxyFunction("classify", "quota_handlers:classify", models=("resnet18",)),
+        ProxyFunction("infer_loop", "quota_handlers:infer_loop", models=("resnet18",)),
     )
     config = ProxyConfig(
         workflow="wfquota", functions=functions, sys_path=(str(root),), state_dir=str(root / "state"),
@@ -61,9 +69,13 @@ def proxy(tmp_path_factory) -> ProxyProcess:
 
 def test_an_invocation_past_its_device_bytes_fails_alone_and_holds_nothing(proxy, settled) -> None:
     assert proxy.client.invoke("hog", {"n": 4, "mib": 16})["output"] == 4  # exactly at the bound
-    with pytest.raises(FunctionFailed, match="QuotaExceeded: hog: allocating 16777216 bytes would hold "
+    with pytest.raises(FunctionFailed, match="QuotaExceeded: hog: 16777216 more bytes would hold "
                        "83886080 device bytes in this invocation's buffers; at most 67108864"):
         proxy.client.invoke("hog", {"n": 1000, "mib": 16})
+    # An inference's outputs are the invocation's too: a loop keeping them stops at the bound.
+    with pytest.raises(FunctionFailed, match="QuotaExceeded: infer_loop: 4000 more bytes"):
+        proxy.client.invoke("infer_loop", {"held": 64 * MIB - 4 * 3 * 32 * 32 - 8000, "n": 3})
+    assert proxy.client.invoke("infer_loop", {"held": MIB, "n": 3})["output"] == 3
     assert settled(proxy.client, lambda s: s["buffers"] == 0)["buffers"] == 0  # the failed one's too
     assert proxy.client.invoke("classify", {})["output"] == [1, 1000]  # the others run as before
 

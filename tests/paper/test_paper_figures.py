@@ -235,3 +235,16 @@ def test_systems_a_figure_cannot_use_are_refused_before_anything_is_measured(
     assert not (out / "replay").exists()  # said before replaying anything
     assert main(["paper", "12", "--quick", "--out", str(out), "--systems", "streambox,monolithic"]) == 2
     assert "--systems: monolithic not among Table 2's systems" in capsys.readouterr().err
+
+
+def test_an_interrupted_comparison_builds_no_figure_and_is_never_reused(tmp_path: Path) -> None:
+    """Ctrl-C during a figure's replays: the run keeps what it measured, but no table is built from it
+    and --reuse measures again rather than take it as finished."""
+    from streambox.replay.paper.session import QUICK, Session
+
+    session = Session(tmp_path, quick=True, systems=("streambox",), reuse=True)
+    run = tmp_path / "replay" / "streambox"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "summary.json").write_text(json.dumps({"requests": {"stopped_by": "interrupted"}}))
+    assert session._reused_comparison(tmp_path / "replay", QUICK) is None

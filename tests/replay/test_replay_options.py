@@ -106,6 +106,10 @@ def test_a_switch_set_in_the_environment_is_part_of_the_runs_label(monkeypatch) 
     monkeypatch.delenv("STREAMBOX_IO_DAEMON")
     plain = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
     assert run_label(ReplayConfig(), plain) == "streambox"
+    # Any spelling the settings read counts: lower case, and an alias (inputs is model_shapes too).
+    monkeypatch.setenv("streambox_pool_mode", "static")
+    monkeypatch.setenv("STREAMBOX_MODEL_SHAPES", "full")
+    assert run_label(ReplayConfig(), plain) == "streambox[inputs=full,pool_mode=static]"
 
 
 @pytest.mark.parametrize(("key", "value"), [("keep_alive_s", "inf"), ("weights_keep_alive_s", "1e999")])

@@ -288,7 +288,16 @@ edges:
     small, big = run(run_once(make_invoker(), spec_of(text), {"count": 2}, {"count": 3}))
     assert small.ok and len(small.calls) == 1 + 2 + 4
     assert big.status == "error" and big.error.endswith(
-        "edge inner -> leaf fans out 3 items, which would take the request past 10 invocations "
+        "failed: its output would start 3 invocations, which would take the request past 10 "
         "(10 so far; the workflow's max_invocations, up to 1000000)"
     )
     assert len(big.calls) <= 10
+    # Plain edges count too (no fan-out after the first: 1 + 3 + 3 invocations, past 5) ...
+    chain = text.replace("max_invocations: 10", "max_invocations: 5")
+    chain = chain.replace("{from: inner, to: leaf, select: items, fan_out: true}", "{from: inner, to: leaf}")
+    (stopped,) = run(run_once(make_invoker(), spec_of(chain), {"count": 3}))
+    assert stopped.status == "error" and "would take the request past 5" in stopped.error
+    # ... and items a fan-in only collects do not: ten items into one fan-in are two invocations.
+    fan_in = FAN.replace("name: fan\n", "name: fan\nmax_invocations: 12\n")
+    (ok,) = run(run_once(make_invoker(), spec_of(fan_in), {"count": 10}))
+    assert ok.ok and len(ok.calls) == 12

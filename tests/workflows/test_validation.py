@@ -108,9 +108,12 @@ def test_batching_fields_default_to_no_batching_and_bad_values_are_named():
     echo = "handler: wf_test_handlers:echo"
     uneven = head + f"  f: {{{echo}, batch_size: 3, max_batch_size: 4, max_queue_delay_ms: 2}}\n"
     assert errors(uneven) == [
-        "demo.yaml:4:54: functions.f.max_batch_size: 4 is not a multiple of batch_size (3): every "
-        "invocation brings 3 samples, so no batch would ever hold more than one"
+        "demo.yaml:4:54: functions.f.max_batch_size: 4 is less than two invocations' samples (6, "
+        "batch_size 3 each): no batch would ever hold more than one; set 1 (no batching) or at least 6"
     ]
+    two_in_five = uneven.replace("batch_size: 3", "batch_size: 2")
+    two_in_five = two_in_five.replace("max_batch_size: 4", "max_batch_size: 5")
+    assert parse_spec(two_in_five, "d.yaml", HERE).functions["f"].max_batch_size == 5  # 2 + 2 fit in 5
     late = head + f"  g: {{{echo}, max_batch_size: 4, max_queue_delay_ms: 600, timeout_ms: 500}}\n"
     assert errors(late) == [
         "demo.yaml:4:58: functions.g.max_queue_delay_ms: 600 ms is not shorter than the invocation's time "
