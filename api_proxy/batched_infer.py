@@ -251,6 +251,7 @@ def _run_batch(
     res.batching.batches_run += 1
     res.batching.members_batched += len(members)
     res.batching.sizes.append(total)
+    refused: QuotaExceeded | None = None
     for m, tensors in zip(members, per_member, strict=True):
         if m is not batch.leader and not m.alive:  # ended while the batch ran: nobody to own its rows
             res.memory.pool.free_many([t.address for t in tensors], call.inst.stream)
@@ -260,8 +261,9 @@ def _run_batch(
         except QuotaExceeded as exc:
             res.memory.pool.free_many([t.address for t in tensors], call.inst.stream)
             if m is batch.leader:
-                raise
-            m.result.set_exception(exc)
+                refused = exc  # raised once the followers have their rows: theirs are their own
+            else:
+                m.result.set_exception(exc)
             continue
         handles = [res.register(t, m.call.inv) for t in tensors]
         if m is batch.leader:
@@ -269,6 +271,8 @@ def _run_batch(
         else:
             m.call.inst.stream.wait_event(done)  # its next call sees its rows written
             m.result.set_result(handles)
+    if refused is not None:
+        raise refused
     return mine
 
 

@@ -72,8 +72,9 @@ def env_factory(*names: str, default: Any = None) -> Callable[[], Any]:
     value), else `default`; so a switch set in the environment reaches every record built here."""
 
     def factory() -> Any:
+        environ = {key.upper(): value for key, value in os.environ.items()}  # as `Settings` reads it
         for name in names:
-            value = os.environ.get(f"{ENV_PREFIX}{name.upper()}")
+            value = environ.get(f"{ENV_PREFIX}{name.upper()}")
             if value is not None:
                 return value
         return default

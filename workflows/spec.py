@@ -29,9 +29,9 @@ Semantics (the engine's, `engine.py`):
 - An edge delivers the upstream output (or its field ``select``) to the downstream function: once per
   upstream invocation, or, with ``fan_out``, once per item of that list.
 - A fan-out list longer than the edge's ``max_items`` fails the upstream call (and so the request)
-  with an error naming the edge and the limit; so does one that would take the request past the
-  workflow's ``max_invocations`` (every function's invocations together: fan-outs in a row
-  multiply). Items start lazily: at most twice the downstream
+  with an error naming the edge and the limit; a call whose output would start invocations past the
+  workflow's ``max_invocations`` fails too (every function's invocations together: fan-outs in a
+  row multiply). Items start lazily: at most twice the downstream
   function's ``max_instances`` invocations of one request are launched at a time; the next item
   starts as one finishes (back-pressure: a wide fan-out holds no task per item).
 - A function without ``fan_in`` is invoked once per delivered item; its event is the item (a JSON

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy
-from streambox.api_proxy.errors import FunctionTimeout
+from streambox.api_proxy.errors import FunctionFailed, FunctionTimeout
 from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 
 HANDLERS = textwrap.dedent(
@@ -35,11 +35,14 @@ HANDLERS = textwrap.dedent(
         if "room" in event:
             _meet(event)
         time.sleep(event.get("late_s", 0.0))
+        if "hold" in event:  # most of its device-memory quota, held until it ends
+            ctx.alloc(event["hold"])
         (logits,) = ctx.infer("resnet18", x)
         return {"logits": ctx.download(logits).flatten().tolist(), "shape": list(logits.shape)}
     """
 )
 
+QUOTA = 64 << 20  # each invocation's device bytes
 GROUP_DELAY_S = 2.0  # generous on a loaded machine: a full batch closes before it anyway
 FUNCTIONS = (
     ProxyFunction("alone", "batch_handlers:classify", models=("resnet18",)),
@@ -66,7 +69,8 @@ def proxy(tmp_path_factory) -> ProxyProcess:
     root = tmp_path_factory.mktemp("batched")
     (root / "batch_handlers.py").write_text(HANDLERS)
     config = ProxyConfig(
-        workflow="wfbatch", functions=FUNCTIONS, sys_path=(str(root),), state_dir=str(root / "state")
+        workflow="wfbatch", functions=FUNCTIONS, sys_path=(str(root),), state_dir=str(root / "state"),
+        invocation_device_bytes=QUOTA,
     )
     started = launch_proxy(config)
     yield started
@@ -203,3 +207,27 @@ def test_a_batch_whose_leader_times_out_is_led_by_a_follower(proxy, zoo_model, t
     assert after["batching"]["sizes"][-1] == 2  # the followers' rows, run by the first of them
     for seed, out in zip((72, 73), outputs, strict=True):
         assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
+
+
+def test_a_leader_past_its_quota_fails_alone_and_its_followers_get_their_rows(
+    proxy, zoo_model, tmp_path, settled
+):
+    """A batch's rows count against each caller's own quota: the leader that holds almost all of its
+    own fails its call, the followers (other requests) get theirs, and nothing is left allocated."""
+    stats = settled(proxy.client, lambda s: s["buffers"] == 0)
+    pool_bytes = stats["pool"]["allocated_bytes"]
+    room = tmp_path / "room"
+    room.mkdir()
+    events = [{"seed": s, "room": str(room), "group": 3} for s in (81, 82, 83)]
+    events[0]["hold"] = QUOTA - 3 * 32 * 32 * 4 - 2000  # with its input: its 4,000 bytes of rows do not fit
+    for e in events[1:]:
+        e["late_s"] = 0.3  # the first leads
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(ProxyClient(proxy.address).invoke, "full", e, f"r{e['seed']}") for e in events]
+        with pytest.raises(FunctionFailed, match="QuotaExceeded: full: 4000 more bytes"):
+            futures[0].result()
+        outputs = [f.result()["output"] for f in futures[1:]]
+    for seed, out in zip((82, 83), outputs, strict=True):
+        assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
+    after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] <= pool_bytes)
+    assert after["buffers"] == 0 and after["pool"]["allocated_bytes"] <= pool_bytes

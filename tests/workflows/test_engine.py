@@ -301,3 +301,7 @@ edges:
     fan_in = FAN.replace("name: fan\n", "name: fan\nmax_invocations: 12\n")
     (ok,) = run(run_once(make_invoker(), spec_of(fan_in), {"count": 10}))
     assert ok.ok and len(ok.calls) == 12
+    # The fan-in's own invocation counts, from the first item it collects: 1 + 10 + 1 is past 11.
+    tighter = spec_of(fan_in.replace("max_invocations: 12", "max_invocations: 11"))
+    (over,) = run(run_once(make_invoker(), tighter, {"count": 10}))
+    assert over.status == "error" and "would take the request past 11" in over.error
