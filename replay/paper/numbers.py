@@ -232,8 +232,8 @@ _NUMBERS = (
 
 #: The paper's bounds on some numbers: "up to" is its best case, not its mean.
 _QUALIFIERS = {
-    "12.mean_memory.infless": "79% to 82%, mid:",
-    "12.mean_memory.astraea": "79% to 82%, mid:",
+    "12.mean_memory.infless": "-79% to -82%, mid:",
+    "12.mean_memory.astraea": "-79% to -82%, mid:",
     "14.latency.stream-only": "up to",
     "14.latency.infless": "up to",
     "14.latency.astraea": "up to",
