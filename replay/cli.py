@@ -181,8 +181,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _exit_status(results: Sequence[RunResult]) -> int:
     """130 (as a shell reports Ctrl-C) when the last run was interrupted: its files hold what was
     measured until then (`requests.stopped_by` "interrupted" in summary.json), nothing after it ran."""
+    from .run import was_interrupted
+
     last = results[-1]
-    if last.summary["requests"]["stopped_by"] != "interrupted":
+    if not was_interrupted(last.summary):
         return 0
     print(f"replay interrupted: {last.run_dir} holds the requests measured until then", file=sys.stderr)
     return 130

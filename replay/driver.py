@@ -33,6 +33,10 @@ def phase_columns(phases: Mapping[str, float]) -> dict[str, float]:
     return {f"{phase}_ms": phases[phase] * 1e3 if phase in phases else math.nan for phase in PHASES}
 
 
+#: `DriveResult.stopped_by` when the user stopped the replay (Ctrl-C, SIGTERM: the run's `stop`).
+INTERRUPTED = "interrupted"
+
+
 @dataclass
 class RequestRecord:
     request_id: int
@@ -190,14 +194,14 @@ async def drive(
         sampling = asyncio.create_task(sampler())
         for request_id, arrival in enumerate(planned):
             if await _stopped(stop, t0 + arrival.time_s - loop.time()):
-                stopped_by = "interrupted"
+                stopped_by = INTERRUPTED
                 break
             task = asyncio.create_task(one(request_id, arrival))
             outstanding.add(task)
             task.add_done_callback(outstanding.discard)
             counters["max_outstanding"] = max(counters["max_outstanding"], len(outstanding))
         if outstanding and await _drain(set(outstanding), drain_timeout_s, stop):
-            stopped_by = "interrupted"
+            stopped_by = INTERRUPTED
         duration = loop.time() - t0
         sampling.cancel()
         await asyncio.gather(sampling, return_exceptions=True)

@@ -30,7 +30,7 @@ from streambox.device.modes import device_mode_env
 from streambox.gc_pauses import frozen_heap
 from streambox.settings_base import ENV_PREFIX
 
-from .driver import drive
+from .driver import INTERRUPTED, drive
 from .metrics import summarize, write_json, write_requests, write_samples
 from .shaping import (
     MAPPINGS,
@@ -460,6 +460,11 @@ def run_label(config: ReplayConfig, system_config: Mapping[str, Any]) -> str:
     return config.labelled(environment_options(settings, config.system_options, os.environ))
 
 
+def was_interrupted(summary: Mapping[str, Any]) -> bool:
+    """Whether a run's summary says the user stopped it (Ctrl-C, SIGTERM) before it was done."""
+    return summary.get("requests", {}).get("stopped_by") == INTERRUPTED
+
+
 def check_out_folder(path: Path, flag: str = "--out") -> None:
     """Refuse an output folder that is a file, before anything runs."""
     if path.exists() and not path.is_dir():
@@ -507,6 +512,6 @@ def run_comparison(
     results = []
     for system in systems:
         results.append(run_replay(trace, system=system, out=Path(out) / system, **options))
-        if results[-1].summary["requests"]["stopped_by"] == "interrupted":
+        if was_interrupted(results[-1].summary):
             break  # the user stopped the comparison: the systems after this one do not run
     return results, report([r.run_dir for r in results], Path(out) / "report")

@@ -258,7 +258,6 @@ class _Run:
         self.outputs: dict[str, list[tuple[Path, Any]]] = defaultdict(list)
         self.calls: list[CallRecord] = []
         self.launched = 0  # invocations launched or waiting for a launch, all functions together
-        self.fan_ins_due: set[str] = set()  # fan-ins that collected items and have not started yet
         self.deadline = 0.0
         self.started = time.perf_counter()
         self._group: asyncio.TaskGroup | None = None
@@ -354,17 +353,17 @@ class _Run:
         graph = self.wf.graph
         deliveries = [(edge, self._items(record, edge, output)) for edge in graph.downstream[record.function]]
         launches = sum(len(items) for edge, items in deliveries if not graph.is_fan_in(edge.to))
-        fan_ins = self.fan_ins_due | {edge.to for edge, items in deliveries if graph.is_fan_in(edge.to)}
-        launches += len(fan_ins - self.fan_ins_due)  # a fan-in it feeds runs once, later: counted now
+        due = set(self.collected) - self.fan_in_started  # fan-ins with items, each to run once, later
+        fed = {edge.to for edge, items in deliveries if items and graph.is_fan_in(edge.to)}
+        launches += len(fed - due - self.fan_in_started)  # a fan-in counts from its first item
         limit = self.wf.spec.max_invocations
-        if self.launched + len(self.fan_ins_due) + launches > limit:
+        if self.launched + len(due) + launches > limit:
             record.status = ERROR
             record.error = (
                 f"its output would start {launches} invocations, which would take the request past {limit} "
                 f"({self.launched} so far; the workflow's max_invocations, up to {MAX_INVOCATIONS_CEILING})"
             )
             raise _CallFailed(record, f"{record.label} failed: {record.error}")
-        self.fan_ins_due = fan_ins
         for edge, items in deliveries:
             for path, item in items:
                 if graph.is_fan_in(edge.to):
@@ -407,7 +406,6 @@ class _Run:
             return
         if graph.is_fan_in(function) and function not in self.fan_in_started:
             self.fan_in_started.add(function)
-            self.fan_ins_due.discard(function)  # counted in `launched` from now on
             inputs = {
                 e.source: [item for _, item in sorted(self.collected[function][e.source], key=_first)]
                 for e in graph.upstream[function]

@@ -145,12 +145,12 @@ class Session:
         reused = self._reused_comparison(folder, size) if self.reuse else None
         if reused is not None:
             return reused
-        from ..run import run_comparison
+        from ..run import run_comparison, was_interrupted
 
         results, _ = run_comparison(
             self.systems, out=folder, overwrite=True, progress=self.progress, **size.options()
         )
-        if results[-1].summary["requests"]["stopped_by"] == "interrupted":
+        if was_interrupted(results[-1].summary):
             raise KeyboardInterrupt(f"the replay comparison in {folder} was interrupted")  # no figure of it
         return {r.config.system: r.run_dir for r in results}
 
@@ -158,7 +158,7 @@ class Session:
         """The comparison already in `folder` when every system has a finished run that measured what
         this one would: the same system with the same options and environment switches (its label),
         and the same replay configuration but for where it was written."""
-        from ..run import replay_config, run_label, same_measurement
+        from ..run import replay_config, run_label, same_measurement, was_interrupted
         from ..target import SystemRequest, resolve_system
 
         runs = {}
@@ -167,8 +167,7 @@ class Session:
             if not (run_dir / "summary.json").exists():
                 print(f"not reusing {folder}: no finished run of {system}", flush=True)
                 return None
-            summary = json.loads((run_dir / "summary.json").read_text())
-            if summary.get("requests", {}).get("stopped_by") == "interrupted":
+            if was_interrupted(json.loads((run_dir / "summary.json").read_text())):
                 print(f"not reusing {folder}: the run of {system} was interrupted", flush=True)
                 return None
             stored = json.loads((run_dir / "config.json").read_text())
