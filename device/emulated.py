@@ -709,12 +709,14 @@ class EmulatedRuntime(Runtime):
         return self._compute.stats()
 
     def copy_engine_stats(self) -> dict[str, dict[str, float]]:
-        """Per engine lane: copies served, bytes moved and modelled busy seconds."""
+        """Per engine lane: copies served, bytes moved, modelled busy seconds, and of the copies those
+        placed whole at issue (timed mode, `copy_engine.SHORT_COPY_S`)."""
         return {
             engine.lane: {
                 "copies": engine.link.copies,
                 "nbytes": engine.link.nbytes,
                 "busy_seconds": engine.link.busy_seconds,
+                "placed_at_issue": engine.placed_at_issue,
             }
             for engine in (self._h2d, self._d2h, self._peer)
         }

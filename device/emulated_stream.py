@@ -152,10 +152,12 @@ class EmulatedStream(Stream):
         marker: Marker | None = None,
         on_idle: Callable[[float], None] | None = None,
         inline: bool = False,
+        at_once: Callable[[float], float | None] | None = None,
         issued_at: float | None = None,
     ) -> int:
         """Queue `fn(ready) -> end`; `on_idle(ready)` runs at once, here, if the stream is idle. In
-        timed mode an `inline` operation on an idle stream runs here, at once (`fn` must not block).
+        timed mode an `inline` operation on an idle stream runs here, at once (`fn` must not block),
+        and so does `at_once(ready)` when it returns the operation's end (None: queue `fn` after all).
         `issued_at`: when the operation was issued, if not now (an operation whose issue took host
         time that its device side overlaps, a pageable copy's staging)."""
         with self._lock:
@@ -166,17 +168,20 @@ class EmulatedStream(Stream):
             if marker is not None:
                 marker.seq = seq
             idle = not self._queue and not self._busy
-            if inline and idle and self._timed:
+            if idle and self._timed and (inline or at_once is not None):
                 cursor = self._cursor
+                place: Callable[[float], float | None] = fn if inline else at_once  # type: ignore[assignment]
                 try:
-                    end = fn(issued if issued > cursor else cursor)
-                    if end > cursor:
+                    end = place(issued if issued > cursor else cursor)
+                    if end is not None and end > cursor:
                         self._cursor = end
                 except BaseException as exc:
                     self._errors.append((seq, exc))
-                # No notify: an idle stream has completed all before `seq`, so nobody waits on it.
-                self._completed = seq
-                return seq
+                    end = cursor
+                if end is not None:
+                    # No notify: an idle stream has completed all before `seq`, so nobody waits on it.
+                    self._completed = seq
+                    return seq
             op = _Op(seq, issued, fn)
             if on_idle is not None and idle:
                 on_idle(max(issued, self._cursor))
@@ -201,7 +206,10 @@ class EmulatedStream(Stream):
                 raise job.error
             return job.end
 
-        return self.enqueue(run, on_idle=submit, issued_at=issued_at)
+        def at_once(ready: float) -> float | None:
+            return engine.place_at_once(job, ready)
+
+        return self.enqueue(run, on_idle=submit, at_once=at_once, issued_at=issued_at)
 
     @property
     def tail(self) -> float:

@@ -386,6 +386,24 @@ class Ledger:
             self._store_flows(direction, start, last_id, active, finished)
             return last_id, start, finish_times(active, start)[last_id]
 
+    def link_place_alone(self, direction: str, ready: float, cost: float) -> tuple[float, float] | None:
+        """A short copy placed whole at issue: if no copy is in flight on the link when it enters (at
+        `ready`, or when the link's state is, if later), it holds the link to its end and (start, end)
+        is returned; else None and nothing changes (the caller joins as a flow). A copy arriving
+        before that end starts at it (`link_join`), so the link's work is conserved and only the short
+        copy is spared the sharing: see `copy_engine.SHORT_COPY_S`."""
+        with self._locked():
+            since, last_id, active, finished = self._load_flows(direction)
+            start = max(ready, since)
+            owners = {f.flow_id: f.owner for f in active}
+            active, ends = advance(active, since, start)
+            if active:
+                return None
+            finished.update((fid, (owners[fid], end)) for fid, end in ends.items())
+            end = start + cost
+            self._store_flows(direction, end, last_id, [], finished)
+            return start, end
+
     def link_poll(self, direction: str, flow_id: int, now: float) -> tuple[bool, float]:
         """(True, end) once the flow has ended by `now` (its record is then dropped), else (False,
         the end expected so far)."""
@@ -638,6 +656,9 @@ class LinkDirection:
 
     def poll(self, flow_id: int, now: float) -> tuple[bool, float]:
         return self.ledger.link_poll(self.direction, flow_id, now)
+
+    def place_alone(self, ready: float, cost: float) -> tuple[float, float] | None:
+        return self.ledger.link_place_alone(self.direction, ready, cost)
 
 
 # -- process lifetime ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from streambox.device.copy_engine import SHORT_COPY_S
 from streambox.device.emulated import EmulatedBackend
 from streambox.device.specs import MiB
 
@@ -150,6 +151,57 @@ def test_a_copy_in_flight_orders_the_kernels_behind_it(timed):
     assert copy.end - copy.start == pytest.approx(SMALL_SPEC.link.copy_seconds(4 * MiB), rel=1e-6)
     assert kernel.start == pytest.approx(copy.end, abs=1e-9)
     rt.close()
+
+
+def test_a_short_copy_on_an_idle_link_is_placed_at_issue_and_others_wait_for_its_end(timed):
+    """No thread serves a short copy issued to an idle stream, engine and link: it is placed at issue
+    (start = issue time, its modelled cost), the kernel behind it starts at its end, and another
+    runtime's copy issued meanwhile starts after it instead of sharing the link."""
+    rt, other = timed.open_runtime(0), timed.open_runtime(0)
+    s, s_other = rt.create_stream(), other.create_stream()
+    n = 64 * 1024
+    cost = SMALL_SPEC.link.copy_seconds(n)
+    assert cost <= SHORT_COPY_S
+    dst, dst_other, host = rt.mem_alloc(n), other.mem_alloc(n), rt.host_alloc(n)
+    before = time.perf_counter()
+    rt.copy_htod_async(dst, host, n, s)
+    issued = time.perf_counter()
+    rt.launch(s, lambda: None, blocks=8, duration_s=0.001, name="after")
+    launched = time.perf_counter()
+    other.copy_htod_async(dst_other, host, n, s_other)
+    s.synchronize()
+    s_other.synchronize()
+    (copy,) = [r for r in rt.timeline() if r.kind == "htod"]
+    (copy_other,) = [r for r in other.timeline() if r.kind == "htod"]
+    assert before <= copy.start <= issued and copy.end - copy.start == pytest.approx(cost, rel=1e-6)
+    assert copy_other.start >= copy.end - 1e-9  # never both on the link: the first held it whole
+    assert copy_other.end - copy_other.start == pytest.approx(cost, rel=1e-6)
+    (kernel,) = _kernels(rt)
+    assert kernel.start >= copy.end - 1e-9  # stream order: behind the copy
+    if launched < copy.end:  # issued while the copy was on the link: starts at its end
+        assert kernel.start == pytest.approx(copy.end, abs=1e-9)
+    assert rt.copy_engine_stats()["h2d"]["placed_at_issue"] == 1
+    rt.close()
+    other.close()
+
+
+def test_a_short_copy_beside_a_long_one_in_flight_shares_the_link(timed):
+    """A copy in flight on the link (another runtime's long upload) sends the short one through its
+    engine: it joins the link and shares it, ending later than its cost alone."""
+    rt, other = timed.open_runtime(0), timed.open_runtime(0)
+    s, s_other = rt.create_stream(), other.create_stream()
+    big, n = 32 * MiB, 64 * 1024
+    host = other.host_alloc(big)
+    other.copy_htod_async(other.mem_alloc(big), host, big, s_other)  # 34 ms: far above SHORT_COPY_S
+    time.sleep(0.005)  # its engine's thread has put it on the link
+    rt.copy_htod_async(rt.mem_alloc(n), host, n, s)
+    s.synchronize()
+    (copy,) = [r for r in rt.timeline() if r.kind == "htod"]
+    assert copy.end - copy.start > 1.5 * SMALL_SPEC.link.copy_seconds(n)  # half the link, about 2x
+    assert rt.copy_engine_stats()["h2d"]["placed_at_issue"] == 0
+    s_other.synchronize()
+    rt.close()
+    other.close()
 
 
 def test_mps_share_limits_units_and_bad_shares_are_refused(timed):
