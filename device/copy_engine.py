@@ -65,7 +65,7 @@ class SharedLink(Protocol):
 
     def poll(self, flow_id: int, now: float) -> tuple[bool, float]: ...
 
-    def place_alone(self, ready: float, cost: float) -> tuple[float, float] | None: ...
+    def place_alone(self, ready: float, cost: float, latest: float) -> tuple[float, float] | None: ...
 
 
 #: Timed mode: a copy of at most this many link seconds issued while its engine and the link are idle
@@ -73,9 +73,9 @@ class SharedLink(Protocol):
 #: its completion wakes no host thread: the engine thread's wake-up, sleep and poll and the stream
 #: worker's hand-off cost more host time than the copy lasts (a 0.6 MB crop: 55 us on the V100's
 #: link), which a GPU's copy engine never takes from the host. A copy arriving meanwhile waits for its
-#: end instead of sharing the link with it (the link's work is the same; only the short copy ends
-#: earlier than under processor sharing, by at most this much). 250 us is a 2 MiB block at the
-#: modelled pinned bandwidth, the IO daemon's block size, so pipelined loading stays on this path.
+#: end instead of sharing the link with it: the short copy ends earlier than under processor sharing
+#: and the other later, each by at most this much. It enters the link at most this far ahead of now.
+#: 250 us covers the IO daemon's 2 MiB block from pinned memory on the V100 preset (177 us).
 SHORT_COPY_S = 250e-6
 
 
@@ -162,22 +162,22 @@ class CopyEngine:
     def place_at_once(self, job: CopyJob, ready: float) -> float | None:
         """Timed mode: place a short copy (`SHORT_COPY_S`) whole, here, if nothing of this engine is
         queued or in flight and the shared link is idle when it enters; returns its modelled end, or
-        None (then submit it). It enters the link at most `SHORT_COPY_S` ahead of now (a copy
-        issued behind one still on the link), so a copy of another process issued meanwhile waits at
-        most that much longer than under sharing."""
+        None (then submit it). It enters the link at most `SHORT_COPY_S` ahead of now (behind this or
+        other engines' copies still on the link); further ahead, it joins the link as a flow."""
         if job.cost > SHORT_COPY_S:
             return None
         with self._cond:
             if self._queue or self._busy:
                 return None
             arrive = max(self.link.clock, ready)
-            if arrive > time.perf_counter() + SHORT_COPY_S:
+            latest = time.perf_counter() + SHORT_COPY_S
+            if arrive > latest:
                 return None
             job.run()  # timed: checks the memory is still usable (raises to the issuer's stream)
             if self._shared is None:
                 job.start, job.end = self.link.schedule(arrive, job.cost, job.nbytes)
             else:
-                placed = self._shared.place_alone(arrive, job.cost)
+                placed = self._shared.place_alone(arrive, job.cost, latest)
                 if placed is None:
                     return None
                 job.start, job.end = placed

@@ -386,15 +386,19 @@ class Ledger:
             self._store_flows(direction, start, last_id, active, finished)
             return last_id, start, finish_times(active, start)[last_id]
 
-    def link_place_alone(self, direction: str, ready: float, cost: float) -> tuple[float, float] | None:
+    def link_place_alone(
+        self, direction: str, ready: float, cost: float, latest: float
+    ) -> tuple[float, float] | None:
         """A short copy placed whole at issue: if no copy is in flight on the link when it enters (at
-        `ready`, or when the link's state is, if later), it holds the link to its end and (start, end)
-        is returned; else None and nothing changes (the caller joins as a flow). A copy arriving
-        before that end starts at it (`link_join`), so the link's work is conserved and only the short
-        copy is spared the sharing: see `copy_engine.SHORT_COPY_S`."""
+        `ready`, or when the link's state is, if later) and that is not after `latest`, it holds the
+        link to its end and (start, end) is returned; else None and nothing changes (the caller joins
+        as a flow). A copy arriving before that end starts at it (`link_join`): only the short copy
+        is spared the sharing, see `copy_engine.SHORT_COPY_S`."""
         with self._locked():
             since, last_id, active, finished = self._load_flows(direction)
             start = max(ready, since)
+            if start > latest:
+                return None  # placed copies of other engines hold the link that far ahead: share it
             owners = {f.flow_id: f.owner for f in active}
             active, ends = advance(active, since, start)
             if active:
@@ -657,8 +661,8 @@ class LinkDirection:
     def poll(self, flow_id: int, now: float) -> tuple[bool, float]:
         return self.ledger.link_poll(self.direction, flow_id, now)
 
-    def place_alone(self, ready: float, cost: float) -> tuple[float, float] | None:
-        return self.ledger.link_place_alone(self.direction, ready, cost)
+    def place_alone(self, ready: float, cost: float, latest: float) -> tuple[float, float] | None:
+        return self.ledger.link_place_alone(self.direction, ready, cost, latest)
 
 
 # -- process lifetime ---------------------------------------------------------------------------

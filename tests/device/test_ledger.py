@@ -252,12 +252,15 @@ def test_the_link_skips_a_dead_owners_copy_and_checks_a_live_one_once_per_ttl(tm
 
 def test_a_short_copy_placed_alone_holds_the_link_and_a_busy_link_refuses_it(tmp_path):
     """`link_place_alone`: on an idle link the copy takes it whole; a copy arriving before its end
-    starts at that end (the link's work is conserved); with a copy in flight nothing changes."""
+    starts at that end; with a copy in flight, or the link held past `latest`, nothing changes."""
     ledger = Ledger.open(ledger_path(tmp_path, 0, "link", 1000), 1000)
-    assert ledger.link_place_alone("h2d", 5.0, 1.0) == (5.0, 6.0)
+    assert ledger.link_place_alone("h2d", 5.0, 1.0, latest=5.0) == (5.0, 6.0)
     flow, start, end = ledger.link_join("h2d", 5.5, 2.0)  # arrived while the short copy held the link
     assert (start, end) == (6.0, 8.0)
-    assert ledger.link_place_alone("h2d", 6.5, 0.5) is None  # a flow in flight: join and share instead
+    assert ledger.link_place_alone("h2d", 6.5, 0.5, latest=7.0) is None  # a flow in flight: share instead
     assert ledger.link_poll("h2d", flow, 8.0) == (True, 8.0)  # and the refusal changed nothing
-    assert ledger.link_place_alone("d2h", 6.5, 0.5) == (6.5, 7.0)  # the other direction is its own link
-    assert ledger.link_place_alone("h2d", 9.0, 0.5) == (9.0, 9.5)
+    assert ledger.link_place_alone("d2h", 6.5, 0.5, latest=7.0) == (6.5, 7.0)  # a link of its own
+    # placed copies queue behind each other only up to `latest`: a chain of them cannot run ahead
+    assert ledger.link_place_alone("h2d", 9.0, 0.5, latest=9.0) == (9.0, 9.5)
+    assert ledger.link_place_alone("h2d", 9.0, 0.5, latest=9.6) == (9.5, 10.0)
+    assert ledger.link_place_alone("h2d", 9.0, 0.5, latest=9.6) is None  # it would enter at 10.0

@@ -193,7 +193,10 @@ def test_a_short_copy_beside_a_long_one_in_flight_shares_the_link(timed):
     big, n = 32 * MiB, 64 * 1024
     host = other.host_alloc(big)
     other.copy_htod_async(other.mem_alloc(big), host, big, s_other)  # 34 ms: far above SHORT_COPY_S
-    time.sleep(0.005)  # its engine's thread has put it on the link
+    flows = timed.ledger(0)._load_flows  # wait until its engine's thread has put it on the link
+    deadline = time.monotonic() + 5
+    while not flows("h2d")[2] and time.monotonic() < deadline:
+        time.sleep(0.001)
     rt.copy_htod_async(rt.mem_alloc(n), host, n, s)
     s.synchronize()
     (copy,) = [r for r in rt.timeline() if r.kind == "htod"]
