@@ -70,13 +70,15 @@ class SharedLink(Protocol):
 
 #: Timed mode: a copy of at most this many link seconds issued while its engine and the link are idle
 #: is placed whole at issue, on the issuing thread, as a kernel is (`CopyEngine.place_at_once`), so
-#: its completion wakes no host thread: the engine thread's wake-up, sleep and poll and the stream
-#: worker's hand-off cost more host time than the copy lasts (a 0.6 MB crop: 55 us on the V100's
-#: link), which a GPU's copy engine never takes from the host. A copy arriving meanwhile waits for its
-#: end instead of sharing the link with it: the short copy ends earlier than under processor sharing
-#: and the other later, each by at most this much. It enters the link at most this far ahead of now.
-#: 250 us covers the IO daemon's 2 MiB block from pinned memory on the V100 preset (177 us).
-SHORT_COPY_S = 250e-6
+#: its completion wakes no host thread. Through the engine's thread a copy costs three wake-ups (the
+#: engine's, the stream worker's, the waiters') that a GPU's copy engine never takes from the host;
+#: on two busy cores they cost more than the copies last: a warm Traffic request's 0.6 MB uploads
+#: (55 us of link) cost its function milliseconds, and Image processing's 2.4 MB download (410 us
+#: pageable) took 7.6 ms under StreamBox against 3.7 ms placed at issue (docs/reproduction.md, "Session
+#: of 2026-11-27, 05:51 UTC"). A copy arriving meanwhile waits for its end instead of sharing the
+#: link with it: the short copy ends earlier than under processor sharing and the other later, each
+#: by at most this much. It enters the link at most this far ahead of now.
+SHORT_COPY_S = 1e-3
 
 
 def sleep_until(deadline: float) -> None:
