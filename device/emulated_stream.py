@@ -170,7 +170,7 @@ class EmulatedStream(Stream):
             idle = not self._queue and not self._busy
             if idle and self._timed and (inline or at_once is not None):
                 cursor = self._cursor
-                place: Callable[[float], float | None] = fn if inline else at_once  # type: ignore[assignment]
+                place = fn if inline or at_once is None else at_once
                 try:
                     end = place(issued if issued > cursor else cursor)
                     if end is not None and end > cursor:
