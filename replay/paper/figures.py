@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the Agg backend)
 
-from .session import QUICK_TENANT_USERS, TENANT_USERS, FigureUnavailable, Session  # noqa: E402
+from .session import (  # noqa: E402
+    BATCH16_SYSTEMS,
+    QUICK_TENANT_USERS,
+    TENANT_USERS,
+    FigureUnavailable,
+    Session,
+)
 from .table import Row, Source, computed, ratio_row, row_from, write_table  # noqa: E402
 
 OURS = "streambox"
@@ -154,6 +161,8 @@ def figure_12(session: Session) -> FigureResult:
     rows += _workflow_memory_rows(session)
     session.copy_plots(["memory_over_time", "mean_memory"], root / "fig12")
     _plot_workflow_memory(session, root / "fig12" / "mean_memory_per_workflow.png")
+    batch16 = _batch16_rows(session)
+    rows += batch16
     notes = [
         f"one replay of the workflows {', '.join(session.size.workflows)} together per system (one proxy "
         "or instance set per workflow); the device's used bytes, sampled every 0.5 s",
@@ -161,7 +170,43 @@ def figure_12(session: Session) -> FigureResult:
         "runtimes (its proxy, or its instances: contexts, framework runtimes and all they allocated), "
         "from each run's samples; the paper gives no per-workflow number in its text",
     ]
+    if batch16:
+        notes.append(
+            f"at batch 16: a replay of its own ({session.relative(session.out / 'replay-b16')}), "
+            f"{', '.join(session.batch16())} on the arrivals of the workflows "
+            f"{', '.join(session.batch16_size.workflows)}, {session.batch16_size.minutes} trace minutes: "
+            "Traffic's recognitions batched 16 (`traffic-b16`: the paper's section 3 runs Traffic at batch "
+            "16); its memory plot is memory_over_time_b16.png"
+            + (" (--quick: small inputs, two objects of each kind: batches of two)" if session.quick else "")
+        )
     return _finish(session, "12", "GPU memory (mean over the run, and over time)", rows, notes)
+
+
+def _batch16_rows(session: Session) -> list[Row]:
+    """Mean memory of StreamBox and stream-only with Traffic at batch 16, and their factor beside the
+    paper's (nothing unless the session replays both)."""
+    if not all(system in session.systems for system in BATCH16_SYSTEMS):
+        return []
+    runs = session.batch16()
+    key = "memory.memory_used_bytes.mean_bytes"
+    summaries = {system: Source(session.relative(run / "summary.json"), key) for system, run in runs.items()}
+    rows = [
+        row_from(session.out, f"mean device memory at batch 16, {system}", "B", [source])
+        for system, source in summaries.items()
+    ]
+    rows.append(
+        ratio_row(
+            session.out,
+            "mean memory at batch 16, streambox / stream-only",
+            summaries[OURS],
+            summaries["stream-only"],
+            paper_key="12.mean_memory.stream-only",
+        )
+    )
+    plot = session.out / "replay-b16" / "report" / "memory_over_time.png"
+    if plot.exists():
+        shutil.copy(plot, session.out / "fig12" / "memory_over_time_b16.png")
+    return rows
 
 
 def _workflows_measured(session: Session) -> list[str]:

@@ -62,6 +62,15 @@ FULL = ReplaySize(WORKFLOWS, minutes=30, scale=1.0, functions=6, inputs="full")
 #: CI-sized: one workflow, a handful of requests.
 QUICK = ReplaySize(("traffic",), minutes=10, scale=0.5, functions=3, max_requests=3)
 
+#: Fig. 12 again at the paper's batch size (section 3 takes Traffic at batch 16): Traffic's recognitions
+#: batched 16 (`traffic-b16`) beside the other two workflows, the first 15 trace minutes (half of FULL's,
+#: so that `make demo` stays near 5 minutes), StreamBox and stream-only only: the systems whose pools
+#: differ (a static pool keeps each plan's activations at the largest batch it ran).
+BATCH16 = ReplaySize(("traffic-b16", "image-processing", "social-media"), minutes=15, scale=1.0, functions=6,
+                     inputs="full")
+QUICK_BATCH16 = ReplaySize(("traffic-b16",), minutes=10, scale=0.5, functions=3, max_requests=3)
+BATCH16_SYSTEMS = ("streambox", "stream-only")
+
 #: Fig. 19: users (tenants) of Traffic sharing one GPU, each its own deployment; two trace functions a
 #: user, so that every user has its own arrivals.
 TENANT_USERS = (3, 6)
@@ -110,6 +119,7 @@ class Session:
     _tenants: dict[int, dict[str, Path]] = field(default_factory=dict, init=False)
     _benchmarks: dict[str, Path] = field(default_factory=dict, init=False)
     _repeats: dict[Path, dict[str, Path]] = field(default_factory=dict, init=False)
+    _batch16: dict[str, Path] | None = field(default=None, init=False)
 
     @property
     def size(self) -> ReplaySize:
@@ -133,28 +143,45 @@ class Session:
             runs.append(self._repeats[folder])
         return runs
 
+    @property
+    def batch16_size(self) -> ReplaySize:
+        return QUICK_BATCH16 if self.quick else BATCH16
+
+    def batch16(self) -> dict[str, Path]:
+        """system -> run directory of the comparison at the paper's batch size (out/replay-b16/<system>):
+        those of BATCH16_SYSTEMS this session replays, run on first use."""
+        if self._batch16 is None:
+            systems = tuple(s for s in self.systems if s in BATCH16_SYSTEMS)
+            self._batch16 = self._compare(self.out / "replay-b16", self.batch16_size, systems)
+        return self._batch16
+
     def tenants(self, users: int) -> dict[str, Path]:
         """system -> run directory of `users` tenants of Traffic on one GPU (out/tenants<N>/<system>)."""
         if users not in self._tenants:
             self._tenants[users] = self._compare(self.out / f"tenants{users}", tenant_size(users, self.quick))
         return self._tenants[users]
 
-    def _compare(self, folder: Path, size: ReplaySize) -> dict[str, Path]:
-        """Every system replayed on the same arrivals of `size` into folder/<system> (report plots in
-        folder/report), or the runs already there under --reuse."""
-        reused = self._reused_comparison(folder, size) if self.reuse else None
+    def _compare(
+        self, folder: Path, size: ReplaySize, systems: Sequence[str] | None = None
+    ) -> dict[str, Path]:
+        """Every system (default: the session's) replayed on the same arrivals of `size` into
+        folder/<system> (report plots in folder/report), or the runs already there under --reuse."""
+        systems = self.systems if systems is None else tuple(systems)
+        reused = self._reused_comparison(folder, size, systems) if self.reuse else None
         if reused is not None:
             return reused
         from ..run import run_comparison, was_interrupted
 
         results, _ = run_comparison(
-            self.systems, out=folder, overwrite=True, progress=self.progress, **size.options()
+            systems, out=folder, overwrite=True, progress=self.progress, **size.options()
         )
         if was_interrupted(results[-1].summary):
             raise KeyboardInterrupt(f"the replay comparison in {folder} was interrupted")  # no figure of it
         return {r.config.system: r.run_dir for r in results}
 
-    def _reused_comparison(self, folder: Path, size: ReplaySize) -> dict[str, Path] | None:
+    def _reused_comparison(
+        self, folder: Path, size: ReplaySize, systems: Sequence[str]
+    ) -> dict[str, Path] | None:
         """The comparison already in `folder` when every system has a finished run that measured what
         this one would: the same system with the same options and environment switches (its label),
         and the same replay configuration but for where it was written."""
@@ -162,7 +189,7 @@ class Session:
         from ..target import SystemRequest, resolve_system
 
         runs = {}
-        for system in self.systems:
+        for system in systems:
             run_dir = folder / system
             if not (run_dir / "summary.json").exists():
                 print(f"not reusing {folder}: no finished run of {system}", flush=True)

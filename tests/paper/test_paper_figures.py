@@ -116,9 +116,13 @@ def test_the_replay_figures_quick_share_one_comparison(tmp_path: Path) -> None:
     assert metrics["mean memory, traffic, streambox"] > 0
     assert metrics["mean memory, traffic, streambox / stream-only"] > 0
     assert (out / "fig12" / "mean_memory_per_workflow.png").exists()
+    # Fig. 12 at the paper's batch size: a comparison of its own, StreamBox against stream-only
+    assert sorted(p.name for p in (out / "replay-b16").iterdir()) == ["report", "stream-only", "streambox"]
+    assert metrics["mean memory at batch 16, streambox / stream-only"] > 0
+    assert (out / "fig12" / "memory_over_time_b16.png").exists()
     # --reuse rebuilds the tables from the same measurements: no replay or benchmark runs again
     measured = {
-        p: p.stat().st_mtime_ns for p in [*out.glob("replay/*/summary.json"), *out.glob("bench/*.json")]
+        p: p.stat().st_mtime_ns for p in [*out.glob("replay*/*/summary.json"), *out.glob("bench/*.json")]
     }
     (out / "fig13" / "table.json").unlink()
     assert (

@@ -315,6 +315,17 @@ def test_the_bundled_workflows_validate(name):
     assert small.base_dir == spec.base_dir
 
 
+def test_traffic_b16_is_traffic_at_the_papers_batch_size():
+    traffic, b16 = load_example("traffic"), load_example("traffic-b16")
+    assert b16.edges == traffic.edges
+    more = {"max_people": 16, "max_vehicles": 16}
+    assert b16.functions["detect"].params == {**traffic.functions["detect"].params, **more}
+    for name in ("face", "car"):
+        ours, theirs = b16.functions[name], traffic.functions[name]
+        assert ours.handler == theirs.handler and ours.models == theirs.models
+        assert (ours.max_batch_size, ours.max_instances, ours.max_queue_delay_ms) == (16, 16, 5)
+
+
 def test_the_bundled_graphs():
     traffic = load_example("traffic").graph()
     assert traffic.entries == ["detect"] and traffic.sinks == ["face", "car"]

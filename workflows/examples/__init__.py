@@ -2,6 +2,8 @@
 
 - ``image-processing``: face recognition (ResNet-18) -> image enhancement (ESPCN);
 - ``traffic``: object detection (SSDlite320) -> per object face (ResNet-50) or car recognition (VGG-16);
+- ``traffic-b16``: Traffic at the paper's batch size (section 3): up to 16 objects of each kind per
+  image, their recognitions run as batch-16 inferences (Fig. 12's memory comparison at that batch);
 - ``social-media``: text encoder and MobileNetV3 on a post -> fan-in aggregation;
 - ``shapes`` (not the paper's): a shape classifier the project trains itself, served as a registered
   model (``shapes_model``); using the example registers it in the model pool first, once.
@@ -25,23 +27,27 @@ from .imaging import encode_image, synthetic_image
 EXAMPLES: dict[str, str] = {
     "image-processing": "image_processing.yaml",
     "traffic": "traffic.yaml",
+    "traffic-b16": "traffic_b16.yaml",
     "social-media": "social_media.yaml",
     "shapes": "shapes.yaml",
+}
+
+_SMALL_TRAFFIC = {
+    "detect": {
+        "image_size": 64,
+        "face_size": 32,
+        "car_size": 32,
+        "max_people": 2,
+        "max_vehicles": 2,
+        "min_box": 1.0,
+    },
 }
 
 #: Per workflow, per function: params replacing the realistic input sizes by the zoo's small ones.
 SMALL_PARAMS: dict[str, dict[str, dict[str, Any]]] = {
     "image-processing": {"recognize": {"image_size": 32}},
-    "traffic": {
-        "detect": {
-            "image_size": 64,
-            "face_size": 32,
-            "car_size": 32,
-            "max_people": 2,
-            "max_vehicles": 2,
-            "min_box": 1.0,
-        },
-    },
+    "traffic": _SMALL_TRAFFIC,
+    "traffic-b16": _SMALL_TRAFFIC,
     "social-media": {"text": {"seq_len": 16}, "vision": {"image_size": 32}},
     "shapes": {},  # already small
 }
