@@ -20,7 +20,8 @@ def add_paper_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="CI-sized: Traffic only, three requests per system, the benchmarks' --quick",
+        help="CI-sized: Traffic only (and Traffic-b16 for figure 12), three requests per system, the "
+        "benchmarks' --quick",
     )
     p.add_argument("--out", type=Path, default=Path("runs/paper"), help="output folder (default runs/paper)")
     p.add_argument(
@@ -38,7 +39,8 @@ def add_paper_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="figures 12-14: replay the comparison this many times (by turns) and add, per factor "
-        "StreamBox / baseline, its median over the runs and each run's value (default 1)",
+        "StreamBox / baseline, its median over the runs and each run's value (default 1; figure 12's "
+        "comparison at batch 16 runs once)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=cmd_paper)

@@ -179,7 +179,7 @@ class Session:
         return {r.config.system: r.run_dir for r in results}
 
     def _reused_comparison(
-        self, folder: Path, size: ReplaySize, systems: Sequence[str]
+        self, folder: Path, size: ReplaySize, systems: Sequence[str] | None = None
     ) -> dict[str, Path] | None:
         """The comparison already in `folder` when every system has a finished run that measured what
         this one would: the same system with the same options and environment switches (its label),
@@ -188,7 +188,7 @@ class Session:
         from ..target import SystemRequest, resolve_system
 
         runs = {}
-        for system in systems:
+        for system in self.systems if systems is None else systems:
             run_dir = folder / system
             if not (run_dir / "summary.json").exists():
                 print(f"not reusing {folder}: no finished run of {system}", flush=True)

@@ -90,7 +90,7 @@ def _check_figures(out: Path, figures: list[str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # three replays and a benchmark; minutes on a loaded 2-core machine
+@pytest.mark.timeout(900)  # two comparisons of two replays (figure 12's at batch 16) and a benchmark
 def test_the_replay_figures_quick_share_one_comparison(tmp_path: Path) -> None:
     out = tmp_path / "paper"
     figures = ["12", "13", "14", "15"]
@@ -239,6 +239,32 @@ def test_systems_a_figure_cannot_use_are_refused_before_anything_is_measured(
     assert not (out / "replay").exists()  # said before replaying anything
     assert main(["paper", "12", "--quick", "--out", str(out), "--systems", "streambox,monolithic"]) == 2
     assert "--systems: monolithic not among Table 2's systems" in capsys.readouterr().err
+
+
+def test_figure_12_at_batch_16_is_left_out_with_a_reason_and_never_takes_the_figure_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch-16 comparison needs StreamBox and stream-only; without one, or when it fails, figure 12
+    keeps its measured rows and says why it has none at batch 16 (and no stale plot of it)."""
+    from streambox.replay.paper.figures import _batch16_rows
+    from streambox.replay.paper.session import Session
+
+    (tmp_path / "fig12").mkdir()
+    stale = tmp_path / "fig12" / "memory_over_time_b16.png"
+    stale.write_bytes(b"an earlier call's")
+    alone = Session(tmp_path, quick=True, systems=("streambox", "infless"))
+    rows, note = _batch16_rows(alone)
+    assert rows == [] and "--systems lacks one" in note and not stale.exists()
+    assert not (tmp_path / "replay-b16").exists()  # nothing was replayed
+
+    both = Session(tmp_path, quick=True, systems=("streambox", "stream-only"))
+
+    def fail() -> None:
+        raise RuntimeError("the proxy died")
+
+    monkeypatch.setattr(both, "batch16", fail)
+    rows, note = _batch16_rows(both)
+    assert rows == [] and note == "no comparison at batch 16: it failed (RuntimeError: the proxy died)"
 
 
 def test_an_interrupted_comparison_builds_no_figure_and_is_never_reused(tmp_path: Path) -> None:

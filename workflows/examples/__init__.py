@@ -15,6 +15,7 @@ zoo's small input shapes (what the tests run: every layer, a fraction of the wor
 
 from __future__ import annotations
 
+import copy
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ _SMALL_TRAFFIC = {
 SMALL_PARAMS: dict[str, dict[str, dict[str, Any]]] = {
     "image-processing": {"recognize": {"image_size": 32}},
     "traffic": _SMALL_TRAFFIC,
-    "traffic-b16": _SMALL_TRAFFIC,
+    "traffic-b16": copy.deepcopy(_SMALL_TRAFFIC),
     "social-media": {"text": {"seq_len": 16}, "vision": {"image_size": 32}},
     "shapes": {},  # already small
 }
