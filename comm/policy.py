@@ -156,6 +156,12 @@ def _destination(item: ItemState, room: _Room, adaptive: bool) -> tuple[int, str
     return (target, RULE_EVEN) if target is not None else (HOST, RULE_HOST)
 
 
+def over_capacity(gpus: Iterable[GpuState]) -> bool:
+    """Whether any GPU holds more than its capacity: without bytes asked for (`need`), `plan_moves`
+    moves nothing otherwise (the store's ticker asks this first, before describing every item)."""
+    return any(g.used > g.capacity for g in gpus)
+
+
 def plan_moves(
     gpus: Sequence[GpuState],
     items: Iterable[ItemState],

@@ -765,6 +765,8 @@ class CommStore:
         now = self.clock() if now is None else now
         with self._cond:
             gpus = self._gpu_states(self.capacities(now))
+            if need is None and not policy.over_capacity(gpus):  # the ticker's usual round: O(GPUs)
+                return []
             items = [self._item_state(it) for it in self._items.values()]
         return policy.plan_moves(gpus, items, adaptive=self.config.adaptive_movement, need=need)
 
