@@ -145,6 +145,9 @@ class CommStore:
         self._used = dict.fromkeys(self._rt, 0)
         self._host_used = 0
         self._leases: dict[int, _LeaseRecord] = {}
+        # No item's or lease's deadline is earlier (one may be later: a hint, lowered as they come and
+        # recomputed by the scan it lets through): the ticker's `expire` scans nothing before it.
+        self._next_deadline = math.inf
         self._lease_ids = itertools.count(1)
         self._seq = itertools.count()
         self._gone: OrderedDict[str, str] = OrderedDict()
@@ -356,6 +359,7 @@ class CommStore:
         buf.leases += 1
         lease = _LeaseRecord(next(self._lease_ids), buf, owner, now + self.config.lease_ttl_s, ready)
         self._leases[lease.id] = lease
+        self._next_deadline = min(self._next_deadline, lease.deadline)
         self._wake_ticker()
         return lease
 
@@ -454,6 +458,8 @@ class CommStore:
             if old is not None:
                 self._remove(old, "overwritten")
             self._items[key] = item
+            if item.expires_at is not None:
+                self._next_deadline = min(self._next_deadline, item.expires_at)
             self._wake_ticker()
             self._gone.pop(key, None)
             self.table.set(self._location(item))
@@ -744,6 +750,8 @@ class CommStore:
         """Drop keys past their TTL and leases past `lease_ttl_s`; returns (keys, leases)."""
         now = self.clock() if now is None else now
         with self._cond:
+            if now < self._next_deadline:  # nothing can be due: the usual tick, O(1)
+                return [], 0
             keys = policy.expired({k: it.expires_at for k, it in self._items.items()}, now)
             for key in keys:
                 self._remove(self._items[key], "expired (TTL)")
@@ -757,6 +765,11 @@ class CommStore:
                 self._drop_lease(lease)
             self.stats.expired_keys += len(keys)
             self.stats.expired_leases += len(lease_ids)
+            self._next_deadline = min(
+                (d for d in (*(it.expires_at for it in self._items.values()),
+                             *(lease.deadline for lease in self._leases.values())) if d is not None),
+                default=math.inf,
+            )
             return keys, len(lease_ids)
 
     # -- movement ---------------------------------------------------------------------------

@@ -248,6 +248,21 @@ def test_ttl_frees_data_whose_consumer_never_came(make_store):
         store.get("k", device=0, timeout=0.01)
 
 
+def test_expiry_skips_its_scan_until_the_earliest_deadline_and_never_misses_one(make_store):
+    """The ticker's `expire` scans the keys only once something can be due (its deadline hint): a key
+    put later with an earlier TTL, and the later keys after a scan, still expire on time."""
+    store = make_store()
+    now = store.clock()
+    store.put("late", data(100), device=0, consumers=1, ttl=10.0)
+    store.put("early", data(100), device=0, consumers=1, ttl=2.0)
+    assert store.expire(now + 1.0) == ([], 0)
+    assert store.expire(now + 3.0) == (["early"], 0)  # the scan recomputes the hint: "late" at +10
+    store.put("sooner", data(100), device=0, consumers=1, ttl=1.0)  # put at about `now`: due by +3.5
+    assert store.expire(now + 3.5) == (["sooner"], 0)
+    assert store.expire(now + 9.0) == ([], 0)
+    assert store.expire(now + 10.5) == (["late"], 0)
+
+
 def test_a_dead_consumers_handles_are_released_with_its_owner(make_store, runtimes):
     store = make_store()
     stream = runtimes[1].create_stream()
