@@ -148,6 +148,7 @@ class CommStore:
         # No item's or lease's deadline is earlier (one may be later: a hint, lowered as they come and
         # recomputed by the scan it lets through): the ticker's `expire` scans nothing before it.
         self._next_deadline = math.inf
+        self._ticker_idle = True  # the ticker waits its idle period (`_tick_loop`)
         self._lease_ids = itertools.count(1)
         self._seq = itertools.count()
         self._gone: OrderedDict[str, str] = OrderedDict()
@@ -364,8 +365,10 @@ class CommStore:
         return lease
 
     def _wake_ticker(self) -> None:
-        """Something to expire or move exists now: the ticker leaves its idle period."""
-        if not self._wake.is_set():
+        """Something to expire or move exists now: the ticker leaves its idle period (lock held). A
+        ticker already on its `tick_s` period is left to it: waking it per PUT and lease would run a
+        round (the idle-memory prediction) per call, hundreds a second under load."""
+        if self._ticker_idle and not self._wake.is_set():
             self._wake.set()
 
     def _drop_lease(self, lease: _LeaseRecord) -> None:
@@ -907,7 +910,10 @@ class CommStore:
         holds neither (nothing can expire or move; a PUT or a lease wakes it)."""
         config = self.config
         while not self._stop.is_set():
-            self._wake.wait(config.tick_s if self._items or self._leases else config.idle_period_s)
+            with self._cond:  # as PUTs and leases read it, so that none is missed
+                busy = bool(self._items or self._leases)
+                self._ticker_idle = not busy
+            self._wake.wait(config.tick_s if busy else config.idle_period_s)
             self._wake.clear()
             if self._stop.is_set():
                 return
