@@ -12,7 +12,7 @@ visible in that order, so a reader that sees `head` sees the bytes.
 
 Waiting: a consumer spins briefly (yielding the CPU and the GIL between checks with
 `os.sched_yield`), then sleeps on a doorbell: it raises its `waiting` flag, fences, checks the ring
-once more, and blocks in `select` on a FIFO. A producer that publishes a record fences and rings the
+once more, and blocks in `poll` on a FIFO. A producer that publishes a record fences and rings the
 FIFO only if the flag is up, so a hot channel makes no system calls at all. The fence is an
 uncontended lock acquire/release (a locked instruction: a full barrier on x86-64), which closes the
 store->load window of the flag/head handshake; the blocking wait still has a timeout as a backstop.
@@ -28,6 +28,7 @@ import errno
 import mmap
 import os
 import select
+import socket
 import struct
 import tempfile
 import threading
@@ -201,6 +202,18 @@ class Ring:
         return payload, flags
 
 
+def wait_readable(fd: int | socket.socket, timeout_s: float) -> bool:
+    """Block until `fd` is readable or `timeout_s` passed; whether it is. `poll`, not `select`: a
+    process with over 1024 descriptors open (a proxy with many instances, a test run) gets numbers
+    `select` refuses ("filedescriptor out of range")."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    try:
+        return bool(poller.poll(max(timeout_s, 0.0) * 1000.0))
+    except InterruptedError:
+        return False
+
+
 def drain_fd(fd: int) -> None:
     """Read a non-blocking descriptor (a doorbell FIFO) until it is empty."""
     while True:
@@ -241,8 +254,7 @@ class Doorbell:
 
     def sleep(self, timeout: float) -> None:
         """Block until rung or `timeout` (call `arm` and re-check the ring first)."""
-        with contextlib.suppress(InterruptedError):
-            select.select([self.fd], [], [], max(timeout, 0.0))
+        wait_readable(self.fd, timeout)
         self.drain()
         self.disarm()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import msgpack
 
 from .errors import ProxyError
 from .proxy_config import ProxyConfig
+from .shm_ring import wait_readable
 from .state import Instance
 from .template import EXITED, FAILED, FORKED, LAUNCH, READY, SPARE, write_frame
 
@@ -109,7 +109,7 @@ class Supervisor:
 
     def _read_events(self, block_until: float | None = None) -> list[list[Any]]:
         if block_until is not None:
-            select.select([self.evt_fd], [], [], max(0.0, block_until - time.perf_counter()))
+            wait_readable(self.evt_fd, block_until - time.perf_counter())
         try:
             chunk = os.read(self.evt_fd, 1 << 16)
         except BlockingIOError:

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import os
-import select
 import socket
 import sys
 import time
@@ -39,6 +38,7 @@ from streambox.api_proxy.batched_infer import batch_sizes, limits_of
 from streambox.api_proxy.device_tensor import DeviceTensor
 from streambox.api_proxy.executor import DeviceModel
 from streambox.api_proxy.function_spec import ProxyFunction
+from streambox.api_proxy.shm_ring import wait_readable
 from streambox.api_proxy.template import warm_up_modules
 from streambox.comm.baselines import FuncIpc
 from streambox.comm.lease import Allocator
@@ -384,8 +384,8 @@ class Instance:
 def _receive(sock: socket.socket, stream: BinaryIO, idle: Callable[[], None]) -> dict[str, Any] | None:
     """The next message, or None at the end of the socket; `idle()` runs every `IDLE_PERIOD_S` while
     none comes. (The invoker sends one message at a time and waits for the reply, so nothing is
-    buffered in `stream` past a message: `select` on the socket sees every new one.)"""
-    while not select.select([sock], [], [], IDLE_PERIOD_S)[0]:
+    buffered in `stream` past a message: a poll of the socket sees every new one.)"""
+    while not wait_readable(sock, IDLE_PERIOD_S):
         idle()
     header = stream.read(4)
     if len(header) < 4:

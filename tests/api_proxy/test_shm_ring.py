@@ -12,7 +12,15 @@ import pytest
 
 from streambox.api_proxy import wire
 from streambox.api_proxy.channel import connect, make_server
-from streambox.api_proxy.shm_ring import Doorbell, Inbox, Outbox, Ring, create_segment, private_dir
+from streambox.api_proxy.shm_ring import (
+    Doorbell,
+    Inbox,
+    Outbox,
+    Ring,
+    create_segment,
+    private_dir,
+    wait_readable,
+)
 
 
 def _pair(capacity: int) -> tuple[Outbox, Inbox, mmap.mmap]:
@@ -178,3 +186,26 @@ def test_channel_round_trip_between_processes_and_owner_only_files(kind):
         directory.rmdir()
     assert seen == 50
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_descriptor_past_1024_is_waited_on():
+    """`select` refuses descriptors numbered 1024 or more ("filedescriptor out of range"); a proxy or
+    an instance started from a process with that many open gets such numbers, so waits use poll."""
+    import resource
+
+    unlimited = resource.RLIM_INFINITY
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != unlimited and hard <= 1500:
+        pytest.skip("this process may not open descriptor 1500")
+    if soft != unlimited and soft <= 1500:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    read_end, write_end = os.pipe()
+    high = os.dup2(read_end, 1500)
+    try:
+        assert not wait_readable(high, 0.01)
+        os.write(write_end, b"x")
+        assert wait_readable(high, 1.0)
+    finally:
+        for fd in (high, read_end, write_end):
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
