@@ -63,6 +63,7 @@ from streambox.config import default_model_pool  # noqa: E402
 from streambox.device import BackendUnavailable, Runtime, Stream, get_backend  # noqa: E402
 from streambox.device.emulated import EmulatedBackend  # noqa: E402
 from streambox.device.specs import V100_16GB  # noqa: E402
+from streambox.kernel_compiler import native_out  # noqa: E402
 from streambox.kernel_compiler.model_pool import ModelPool  # noqa: E402
 from streambox.kernel_compiler.plan import KernelPlan  # noqa: E402
 from streambox.kernel_compiler.zoo import ZOO, build_model, example_input, get_entry  # noqa: E402
@@ -322,7 +323,11 @@ def main() -> int:
     p.add_argument("--device-mode", choices=(*DEVICE_MODES, CUDA_MODE), action="append",
                    help="emulated device mode(s) to measure (default: every one the device accepts), "
                    "or cuda: the CUDA backend on GPU 0")
+    p.add_argument("--torch-out-wrappers", action="store_true",
+                   help="kernels call their op's own .out overload, torch's generated functional + copy_ "
+                   "where it has no out kernel (the executor before kernel_compiler/native_out.py)")
     args = p.parse_args()
+    native_out.ENABLED = not args.torch_out_wrappers
     names = args.models or (QUICK_MODELS if args.quick else sorted(ZOO))
     repeats = args.repeats or (10 if args.quick else 20)
     modes = args.device_mode or list(DEVICE_MODES)
@@ -343,7 +348,8 @@ def main() -> int:
         print_mode(mode, [r for r in results if r["device_mode"] == mode], repeats)
     for mode in skipped:
         print(f"{mode} mode: not measured, this machine has no such device")
-    config = {"quick": args.quick, "repeats": repeats, "models": names, "device_modes": modes}
+    config = {"quick": args.quick, "repeats": repeats, "models": names, "device_modes": modes,
+              "native_out": native_out.ENABLED}
     write_json(args.json, "executor", {**config, "skipped": skipped}, results)
     return 0
 

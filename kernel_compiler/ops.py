@@ -17,6 +17,7 @@ import torch
 
 from . import argcodec
 from .argcodec import DeviceArg, VarRef
+from .native_out import native_call
 from .plan import Kernel
 
 #: Outputs whose shape depends on the device's kernel, by the op they were lowered from: output index ->
@@ -103,5 +104,8 @@ def bind_kernel(kernel: Kernel, env: Mapping[str, torch.Tensor]) -> Callable[[],
         return call_and_copy
     if device.type != "cuda" and (sized := DEVICE_SIZED_OUTPUTS.get(kernel.source_op)):
         outs = [t[:0] if i in sized else t for i, t in enumerate(outs)]
+    native = native_call(kernel.op, op, args, kwargs, outs)
+    if native is not None:  # no functional result and copy_ behind torch's generated .out overload
+        return native
     kwargs.update(zip(kernel.out_args, outs, strict=True))
     return functools.partial(op, *args, **kwargs)

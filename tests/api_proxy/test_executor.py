@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -529,7 +530,11 @@ def test_plan_kernel_seconds_are_stored_in_the_memory_profile(pool, runtime):
 
 
 @pytest.mark.gpu
-def test_the_executor_on_the_cuda_backend_matches_eager_torch_and_reuses_its_calls(pool, zoo_model):
+@pytest.mark.parametrize("name", ["resnet18", "alexnet", "mobilenet_v3_small", "espcn", "text_encoder"])
+def test_the_executor_on_the_cuda_backend_matches_eager_torch_and_reuses_its_calls(pool, zoo_model, name):
+    """Against eager torch on the same GPU, TF32 off in both: the models cover the native out kernels
+    (`native_out`: cuDNN convolution with and without bias, grouped ones, eval batch norm, relu,
+    adaptive pooling, clone)."""
     from streambox.device import cuda
     from streambox.device.base import BackendUnavailable
 
@@ -537,11 +542,21 @@ def test_the_executor_on_the_cuda_backend_matches_eager_torch_and_reuses_its_cal
         backend = cuda.CudaBackend()
     except BackendUnavailable as exc:
         pytest.skip(f"no usable GPU: {exc}")
-    name = "resnet18"
     shape = get_entry(name).small_input_shape
     plan = pool.get_or_lower(name, 1, shape)
     x = example_input(name, 1, shape)
-    want = _eager(zoo_model, name, x)[0]
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            want = copy.deepcopy(zoo_model(name)).cuda()(x.cuda())
+        want = (want[0] if isinstance(want, tuple | list) else want).cpu()
+        _run_on_cuda_three_times(backend, pool, plan, x, want)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _run_on_cuda_three_times(backend, pool, plan, x, want):
     with backend.open_runtime(0) as rt:
         mem = DeviceMemoryPool(rt)
         stream = rt.create_stream()
@@ -550,9 +565,9 @@ def test_the_executor_on_the_cuda_backend_matches_eager_torch_and_reuses_its_cal
         executor = PlanExecutor(rt, mem)
         binds = []
         for _ in range(3):
-            result = executor.run(model, {"x": handle}, stream, instance="f1")
+            result = executor.run(model, {plan.inputs[0]: handle}, stream, instance="f1")
             got = download_tensor(rt, result.outputs[plan.outputs[0]], stream)
-            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # cuDNN, not the CPU's kernels
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
             assert result.stats.peak_live_bytes == profile_plan(plan).peak_eager
             binds.append(executor.calls_bound("f1"))
             mem.free_many([t.address for t in result.outputs.values()], stream)
