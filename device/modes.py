@@ -48,8 +48,10 @@ def device_mode_env(mode: str) -> Iterator[str]:
             os.environ[ENV_DEVICE_MODE] = before
 
 
-def describe_device_mode(mode: str) -> str:
-    """One line for a command's output."""
+def describe_device_mode(mode: str, backend: str = "emulated") -> str:
+    """One line for a command's output: the emulator's mode, or the real GPU's backend."""
+    if backend != "emulated":  # the mode is the emulator's: a GPU's times and bytes are its own
+        return f"device: the {backend} backend, a real GPU (its own times and bytes; no device mode applies)"
     if mode == "timed":
         return (
             "device mode: timed (GPU time: modelled kernel and copy times, phantom data; "

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from streambox.config import option_name
+from streambox.config import Config, option_name
 from streambox.flags import DEVICE, MECHANISMS, RUN, add_setting_flags, flag_of, given_settings
 
 from .choices import MAPPINGS, PATTERNS, SELECTIONS, SPACINGS
@@ -169,7 +169,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
     )
-    print(describe_device_mode(replay_device_mode(options["system_options"])), flush=True)
+    backend = Config.from_env().backend  # $STREAMBOX_BACKEND: the proxies it starts read it too
+    print(describe_device_mode(replay_device_mode(options["system_options"]), backend), flush=True)
     if len(systems) > 1:
         results, _ = run_comparison(systems, out=args.out or "runs/compare", trace=args.trace, **options)
         return _exit_status(results)

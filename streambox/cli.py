@@ -166,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         factory = ProxyInvoker.factory(proxy_options=options)
     from streambox.device.modes import describe_device_mode, device_mode_env
 
-    print(describe_device_mode(config.device_mode), flush=True)
+    print(describe_device_mode(config.device_mode, config.backend), flush=True)
     with device_mode_env(config.device_mode):  # the proxies and instances it starts follow it
         serve(
             args.paths,

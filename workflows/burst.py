@@ -675,7 +675,7 @@ def cmd_burst(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         if args.json.is_dir():
             raise IsADirectoryError(f"--json {args.json} is a folder; give a file path")
-    print(describe_device_mode(config.device_mode), flush=True)
+    print(describe_device_mode(config.device_mode, config.backend), flush=True)
     try:
         with device_mode_env(config.device_mode):  # the proxies it starts follow the run
             report = burst(

@@ -52,3 +52,13 @@ def test_a_bad_mode_is_refused_with_the_allowed_values(tmp_path, monkeypatch, ca
     assert main(["replay", *CLI_FAST, "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "STREAMBOX_" in err and "device_mode" in err and "functional, timed" in err
+
+
+def test_a_replay_on_the_cuda_backend_is_not_labelled_modelled():
+    """The emulator's mode line ("modelled ... phantom data") on a real GPU's run would mislabel its
+    measured numbers; the banner names the backend instead (no GPU is needed to print it)."""
+    from streambox.device.modes import describe_device_mode
+
+    line = describe_device_mode("timed", "cuda")
+    assert "real GPU" in line and "modelled" not in line and "phantom" not in line
+    assert "modelled" in describe_device_mode("timed", "emulated")
