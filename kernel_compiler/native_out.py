@@ -8,7 +8,9 @@ the out tensor. That is two dispatches and an extra device kernel per plan kerne
 outside the pool. Here each such op maps to native kernels with the same result that take the out
 tensor: ``clamp_min.out`` for relu, ``native_batch_norm.out`` (training off) for eval batch norm,
 ``adaptive_avg_pool2d.out``, ``copy_`` for clone, and on CUDA ``cudnn_convolution.out`` plus the bias
-added in place (what eager torch's cuDNN path runs, with its cuDNN flags).
+added in place (what eager torch's cuDNN path runs, with its cuDNN flags read at each call; also for
+fp32 depthwise convolutions, where eager picks its own kernel). Batch norm, pooling and convolution
+go native only on default-layout tensors.
 
 `native_call` is a pure choice on the op, its arguments and the device; `kernel_compiler.ops.bind_kernel`
 uses it when `ENABLED` (``bench_executor.py --torch-out-wrappers`` turns it off to measure the difference).
@@ -51,9 +53,19 @@ def _relu(a: dict[str, Any], outs: list[torch.Tensor]) -> Call | None:
     return functools.partial(_aten.clamp_min.out, a["self"], 0, out=outs[0])
 
 
+def _same_default_layout(*tensors: torch.Tensor) -> bool:
+    """Every tensor contiguous in the default layout. The native kernels below index their out tensor
+    in the input's layout (batch norm) or restride it to the input's (adaptive pooling), where torch's
+    generated overload copies into whatever layout the out tensor has; a plan input may arrive in the
+    caller's layout (channels last, say), so anything else keeps the generated overload."""
+    return all(t.is_contiguous() for t in tensors)
+
+
 def _eval_batch_norm(a: dict[str, Any], outs: list[torch.Tensor]) -> Call | None:
     # `_native_batch_norm_legit_no_training` is `native_batch_norm` with training off, whose out kernels
     # (batch_norm_cpu_out, batch_norm_cuda_out) write the normalised input and the saved statistics
+    if not _same_default_layout(a["input"], outs[0]):
+        return None
     return functools.partial(
         _aten.native_batch_norm.out, a["input"], a["weight"], a["bias"], a["running_mean"],
         a["running_var"], False, a["momentum"], a["eps"], out=outs[0], save_mean=outs[1], save_invstd=outs[2],
@@ -61,6 +73,8 @@ def _eval_batch_norm(a: dict[str, Any], outs: list[torch.Tensor]) -> Call | None
 
 
 def _adaptive_avg_pool2d(a: dict[str, Any], outs: list[torch.Tensor]) -> Call | None:
+    if not _same_default_layout(a["self"], outs[0]):
+        return None
     return functools.partial(_aten.adaptive_avg_pool2d.out, a["self"], a["output_size"], out=outs[0])
 
 
@@ -70,37 +84,44 @@ def _clone(a: dict[str, Any], outs: list[torch.Tensor]) -> Call | None:
 
 
 def cudnn_convolution_applies(a: Mapping[str, Any], out: torch.Tensor) -> bool:
-    """Whether eager torch's cuDNN path is the convolution's: a plain (not transposed) 2-D convolution
-    of floating tensors on a CUDA device, with cuDNN there and enabled."""
+    """Whether the convolution can run as `cudnn_convolution.out`: a plain (not transposed) 2-D
+    convolution of floating, default-layout tensors on a CUDA device with cuDNN there and enabled.
+    That includes fp32 depthwise convolutions, for which eager torch picks its own depthwise kernel
+    (`_select_conv_backend`); cuDNN's were checked against eager on an H200 (docs/device.md)."""
     x, weight = a["input"], a["weight"]
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
     return (
         out.device.type == "cuda"
         and not a["transposed"]
         and x.dim() == 4
-        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and x.dtype in dtypes
         and weight.dtype == x.dtype
+        and _same_default_layout(x, weight, out)
         and torch.backends.cudnn.enabled
         and torch.backends.cudnn.is_available()
+        and (x.dtype != torch.bfloat16 or torch.cuda.is_bf16_supported())
     )
+
+
+def _cudnn_flags() -> tuple[bool, bool, bool]:
+    """(benchmark, deterministic, allow_tf32) as eager's convolution reads them, at each call."""
+    cudnn = torch.backends.cudnn
+    deterministic = cudnn.deterministic or torch.are_deterministic_algorithms_enabled()
+    return cudnn.benchmark, deterministic, cudnn.allow_tf32
 
 
 def _convolution(a: dict[str, Any], outs: list[torch.Tensor]) -> Call | None:
     out = outs[0]
     if not cudnn_convolution_applies(a, out):
-        return None  # elsewhere eager torch picks another backend (oneDNN on a CPU): keep torch's wrapper
-    conv = functools.partial(
-        _aten.cudnn_convolution.out, a["input"], a["weight"], a["padding"], a["stride"], a["dilation"],
-        a["groups"], torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-        torch.backends.cudnn.allow_tf32, out=out,
-    )
+        return None  # elsewhere eager picks another backend (oneDNN on a CPU): keep torch's overload
+    conv, x, weight = _aten.cudnn_convolution.out, a["input"], a["weight"]
+    padding, stride, dilation, groups = a["padding"], a["stride"], a["dilation"], a["groups"]
     bias = a["bias"]
-    if bias is None:
-        return conv
-    bias_view = bias.view(1, -1, 1, 1)  # made once per bound call, as eager's reshape_bias per call
+    bias_view = None if bias is None else bias.view(1, -1, 1, 1)  # once per bound call
 
     def conv_and_bias() -> object:
-        conv()
-        return out.add_(bias_view)
+        conv(x, weight, padding, stride, dilation, groups, *_cudnn_flags(), out=out)
+        return out if bias_view is None else out.add_(bias_view)
 
     return conv_and_bias
 

@@ -16,6 +16,7 @@ def _cases() -> list[tuple[str, list, dict, list[torch.Tensor]]]:
     torch.manual_seed(0)
     x = torch.randn(2, 8, 5, 5)
     x[0, 0, 0, 0] = float("nan")
+    strided = torch.randn(8, 2, 5, 5).transpose(0, 1)  # not contiguous: clone's copy_ follows strides
     w, b, mean, var = torch.randn(8), torch.randn(8), torch.randn(8), torch.rand(8) + 0.5
     return [
         ("aten.relu.out", [x], {}, [torch.empty_like(x)]),
@@ -23,6 +24,7 @@ def _cases() -> list[tuple[str, list, dict, list[torch.Tensor]]]:
          [torch.empty_like(x), torch.empty(0), torch.empty(0)]),
         ("aten._adaptive_avg_pool2d.out", [x, [2, 3]], {}, [torch.empty(2, 8, 2, 3)]),
         ("aten.clone.out", [x], {"memory_format": torch.contiguous_format}, [torch.empty_like(x)]),
+        ("aten.clone.out", [strided], {}, [torch.empty(2, 8, 5, 5)]),
     ]
 
 
@@ -33,7 +35,7 @@ def test_a_native_call_writes_what_the_generated_out_overload_writes(case):
     call = native_out.native_call(name, op, args, kwargs, outs)
     assert call is not None
     call()
-    want = [torch.empty_like(t) for t in outs]
+    want = [torch.empty_strided(t.shape, t.stride()) for t in outs]
     op(*args, **kwargs, **dict(zip([a.name for a in op._schema.arguments if a.is_out], want, strict=True)))
     for got, expected in zip(outs, want, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
@@ -52,7 +54,7 @@ def test_a_convolution_off_cuda_keeps_torchs_overload_and_the_switch_turns_every
         native_out.ENABLED = True
 
 
-def test_bind_kernel_binds_the_native_call_with_arguments_by_keyword_and_defaults():
+def test_bind_kernel_binds_relu_to_clamp_mins_out_kernel():
     """A kernel as the lowering records it (argument references, out_args) binds to clamp_min's kernel."""
     kernel = Kernel(
         name="relu_0", op="aten.relu.out", kind="compute", args=[{"var": "x"}], kwargs={},
@@ -64,3 +66,32 @@ def test_bind_kernel_binds_the_native_call_with_arguments_by_keyword_and_default
     assert getattr(call, "func", None) is aten.clamp_min.out
     call()
     assert torch.equal(env["y"], torch.relu(x))
+
+
+@pytest.mark.parametrize("case", _cases()[1:3], ids=["batch_norm", "adaptive_avg_pool2d"])
+def test_a_channels_last_input_keeps_torchs_overload_and_the_out_tensors_layout(case):
+    """Their native kernels index (batch norm) or restride (pooling) the out tensor in the input's layout:
+    a plan input in the caller's channels-last layout would scramble the plan's contiguous buffer."""
+    name, args, kwargs, outs = case
+    op = resolve_op(name)
+    args = [args[0].contiguous(memory_format=torch.channels_last), *args[1:]]
+    assert native_out.native_call(name, op, args, kwargs, outs) is None
+    kernel_outs = {f"o{i}": t for i, t in enumerate(outs)}
+    kernel = Kernel(
+        name="k", op=name, kind="compute", args=[{"var": "x"}, *args[1:]], kwargs={},
+        outputs=list(kernel_outs), out_args=[a.name for a in op._schema.arguments if a.is_out],
+    )
+    strides = [t.stride() for t in outs]
+    bind_kernel(kernel, {"x": args[0], **kernel_outs})()
+    assert [t.stride() for t in outs] == strides
+    reference = getattr(aten, name.split(".")[1]).default(args[0].contiguous(), *args[1:])
+    reference = reference[0] if isinstance(reference, tuple | list) else reference
+    torch.testing.assert_close(outs[0], reference, equal_nan=True)
+
+
+def test_bound_arguments_fill_keywords_and_schema_defaults():
+    x = torch.randn(2, 3)
+    op = resolve_op("aten.clone.out")
+    assert native_out.bound_arguments(op, [x], {}) == {"self": x, "memory_format": None}
+    add = resolve_op("aten.add.out")
+    assert native_out.bound_arguments(add, [x], {"other": x}) == {"self": x, "other": x, "alpha": 1}
