@@ -52,6 +52,13 @@ def call_factory(factory: str) -> tuple[nn.Module, tuple[int, ...] | None]:
         raise ModelRegistrationError(factory, "a factory is written package.module:function")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
+    except ModuleNotFoundError as error:
+        raise ModelRegistrationError(
+            factory,
+            f"cannot import the factory: {error}. Its module must be importable from Python's path in "
+            "every process that lowers the model (the current folder is not on it for the `streambox` "
+            "command): install its package, or set PYTHONPATH to the folder holding it",
+        ) from None
     except (ImportError, AttributeError) as error:
         raise ModelRegistrationError(factory, f"cannot import the factory: {error}") from None
     try:

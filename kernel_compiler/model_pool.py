@@ -13,6 +13,7 @@ second discards its copy.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import shutil
 import tempfile
@@ -84,6 +85,7 @@ class ModelPool:
     def path_for(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> Path:
         entry = self.entry(model)
         shape = tuple(input_shape) if input_shape is not None else entry.input_shape
+        check_plan_key(model, batch, shape)
         return self.root / entry.name / f"b{batch}_{_shape_key(shape)}"
 
     def get(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> KernelPlan | None:
@@ -157,6 +159,21 @@ class ModelPool:
         record = registry.find(self.root, entry.name)
         assert record is not None  # entry() just found it
         return registry.lower_registered(self.root, record, batch, shape)
+
+
+def check_plan_key(model: str, batch: int, shape: tuple[int, ...]) -> None:
+    """A plan's batch and input shape must be positive integers: checked before anything is lowered
+    or written (a batch of 0 lowers to a plan of empty tensors, a negative one fails inside torch)."""
+    if not _positive_int(batch):
+        raise ValueError(f"model {model!r}: batch must be a positive integer, got {batch!r}")
+    if not all(_positive_int(d) for d in shape):
+        raise ValueError(
+            f"model {model!r}: every input dimension must be a positive integer, got shape {list(shape)}"
+        )
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
 
 #: A stale plan's folder is moved here while the model is lowered again (its calibration tables, which

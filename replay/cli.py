@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from streambox.config import Config, option_name
 from streambox.flags import DEVICE, MECHANISMS, RUN, add_setting_flags, flag_of, given_settings
+from streambox.settings_base import SettingsError
 
 from .choices import MAPPINGS, PATTERNS, SELECTIONS, SPACINGS
 from .target import PLANNED_SYSTEMS, known_systems
@@ -171,12 +172,41 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     backend = Config.from_env().backend  # $STREAMBOX_BACKEND: the proxies it starts read it too
     print(describe_device_mode(replay_device_mode(options["system_options"]), backend), flush=True)
-    if len(systems) > 1:
-        results, _ = run_comparison(systems, out=args.out or "runs/compare", trace=args.trace, **options)
-        return _exit_status(results)
-    result = run_replay(args.trace, system=systems[0], out=args.out or f"runs/{systems[0]}", **options)
+    try:
+        if len(systems) > 1:
+            results, _ = run_comparison(systems, out=args.out or "runs/compare", trace=args.trace, **options)
+            return _exit_status(results)
+        result = run_replay(args.trace, system=systems[0], out=args.out or f"runs/{systems[0]}", **options)
+    except SettingsError as error:
+        raise SettingsError(_in_flags(str(error))) from None
     print_run(result.run_dir)
     return _exit_status([result])
+
+
+#: `ReplayConfig` fields whose flag is not the field's name with dashes.
+_FLAGS = {
+    "workflows": "--workflow",
+    "patterns": "--pattern",
+    "explicit_mapping": "--map",
+    "system_options": "--set",
+    "max_duration_s": "--max-duration",
+    "request_timeout_s": "--request-timeout",
+    "drain_timeout_s": "--drain-timeout",
+    "sample_interval_s": "--sample-interval",
+}
+
+
+def _in_flags(message: str) -> str:
+    """`ReplayConfig: sample_interval_s 0.0 must be >= 0.01` as the command line says it:
+    `--sample-interval 0.0 must be >= 0.01`."""
+    lines = []
+    for line in message.splitlines():
+        rest = line.removeprefix("ReplayConfig: ")
+        if rest != line:
+            field, _, said = rest.partition(" ")
+            line = f"{_FLAGS.get(field, '--' + field.replace('_', '-'))} {said}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _exit_status(results: Sequence[RunResult]) -> int:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from streambox.config import Config
+from streambox.arg_types import http_url, non_negative_int, port, positive_int, positive_seconds, shape
+from streambox.config import SYSTEMS, Config
 from streambox.flags import DEVICE, MECHANISMS, RUN, add_deprecated_alias, add_setting_flags, config_from
 
 
@@ -60,50 +60,21 @@ def cmd_compile(args: argparse.Namespace) -> int:
     """Rewrite a zoo model's kernels into persistent-thread-block form and build them with nvcc."""
     from streambox.kernel_compiler.tvm_compile import CompilerUnavailable, compile_model
 
-    shape = tuple(int(d) for d in args.input_shape.split("x")) if args.input_shape else None
     pool_root = args.out if args.out is not None else _config(args).model_pool
     try:
         report = compile_model(
-            args.model, args.arch, pool_root, args.batch, shape, nvcc=False if args.no_nvcc else None
+            args.model,
+            args.arch,
+            pool_root,
+            args.batch,
+            args.input_shape,
+            nvcc=False if args.no_nvcc else None,
         )
     except CompilerUnavailable as error:
         print(f"streambox compile: error: {error}", file=sys.stderr)
         return 2
     print(report.summary())
     return 0
-
-
-def _port(text: str) -> int:
-    """A TCP port for argparse: 1-65535 (0 would pick a random one nobody is told)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is not in 1-65535")
-    return port
-
-
-def _positive_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0 (`inf`, `nan`, 0 and -1 meant no timeout)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
-    return value
-
-
-def _positive(text: str) -> int:
-    """A positive integer for argparse."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
 
 
 def _gateway_options(args: argparse.Namespace) -> dict[str, int]:
@@ -220,7 +191,7 @@ def _devices_arguments(p: argparse.ArgumentParser) -> None:
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
     add_setting_flags(p, DEVICE)
     p.add_argument("--models", nargs="*", help="zoo models to run (default: all)")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     p.set_defaults(handler=cmd_demo)
 
 
@@ -229,8 +200,8 @@ def _compile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="zoo model name")
     p.add_argument("--arch", default="sm_90", help="CUDA architecture, sm_75 to sm_90 (default sm_90)")
     p.add_argument("--out", type=Path, help="model pool directory (default: STREAMBOX_MODEL_POOL)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--input-shape", help="input shape without the batch, e.g. 3x224x224")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    p.add_argument("--input-shape", type=shape, help="input shape without the batch, e.g. 3x224x224")
     p.add_argument("--no-nvcc", action="store_true", help="emit CUDA C only")
     p.set_defaults(handler=cmd_compile)
 
@@ -250,19 +221,19 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
         "(the baseline: a process and a runtime per function instance, data through Redis)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8080)
+    p.add_argument("--port", type=port, default=8080)
     p.add_argument(
         "--allow-remote", action="store_true", help="let --host be non-loopback (warns; use a token)"
     )
     p.add_argument("--token-file", help="a file holding the bearer token every caller must send")
     p.add_argument(
         "--max-in-flight",
-        type=_positive,
+        type=positive_int,
         help="invocations the gateway admits at once; more get 503 + Retry-After (default 1024)",
     )
     p.add_argument(
         "--max-in-flight-mib",
-        type=_positive,
+        type=positive_int,
         help="MiB of request bodies the admitted invocations may hold; more get 503 (default 256)",
     )
     add_setting_flags(p, RUN, MECHANISMS, DEVICE)
@@ -276,8 +247,10 @@ def _invoke_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", action="store_true", help="send a seeded synthetic event instead")
     p.add_argument("--image", help="a JPEG, PNG or .npy image file: the event's 'image' (base64)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--url", default="http://127.0.0.1:8080")
-    p.add_argument("--timeout", type=_positive_seconds, default=None, help="seconds (> 0)")
+    p.add_argument(
+        "--url", type=http_url, default="http://127.0.0.1:8080", help="the gateway (default %(default)s)"
+    )
+    p.add_argument("--timeout", type=positive_seconds, default=None, help="seconds (> 0)")
     p.add_argument("--token-file", help="a file holding the gateway's bearer token")
     p.set_defaults(handler=cmd_invoke)
 
@@ -286,13 +259,23 @@ def _burst_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "path", help="workflow YAML file or bundled workflow name (traffic, image-processing, social-media)"
     )
-    p.add_argument("--requests", "-n", type=int, default=16, help="requests to send (default 16)")
-    p.add_argument("--concurrency", "-c", type=int, default=4, help="most requests outstanding (default 4)")
+    p.add_argument("--requests", "-n", type=positive_int, default=16, help="requests to send (default 16)")
     p.add_argument(
-        "--warmup", type=int, default=0, help="requests sent first, one at a time, not counted (default 0)"
+        "--concurrency", "-c", type=positive_int, default=4, help="most requests outstanding (default 4)"
     )
-    p.add_argument("--system", default="streambox", help="streambox (default) | stream-only")
-    p.add_argument("--via", default="gateway", help="gateway (default: through HTTP) | engine (no HTTP)")
+    p.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=0,
+        help="requests sent first, one at a time, not counted (default 0)",
+    )
+    p.add_argument("--system", default="streambox", choices=SYSTEMS, help="streambox (default) | stream-only")
+    p.add_argument(
+        "--via",
+        default="gateway",
+        choices=("gateway", "engine"),
+        help="gateway (default: through HTTP) | engine (no HTTP)",
+    )
     p.add_argument("--input", help="JSON file holding the event (default: a seeded synthetic one each)")
     p.add_argument(
         "--params",
@@ -409,6 +392,14 @@ def command_handler(args: argparse.Namespace) -> Callable[[argparse.Namespace], 
     return handler
 
 
+def _message(error: Exception) -> object:
+    """What an error says: a plain KeyError's key without its quotes; a KeyError subclass that words
+    its own message (`UnknownModelError`: the known models too) says that."""
+    if isinstance(error, KeyError) and type(error).__str__ is KeyError.__str__ and error.args:
+        return error.args[0]
+    return error
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_command_in(argv)).parse_args(argv)
@@ -425,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         # Configuration mistakes and what the system refused (a path that cannot be written, a port
         # in use) get one clear line, not a traceback.
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        message = _message(error)
         print(f"streambox {args.command}: error: {message}", file=sys.stderr)
         return 2
 

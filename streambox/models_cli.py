@@ -12,21 +12,28 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from streambox.arg_types import dimensions
 
-def _pool(args: argparse.Namespace) -> Path:
+
+def _pool(args: argparse.Namespace, *, create: bool = False) -> Path:
+    """The pool to use: `--pool` (which must be a directory; only `add` may create it) or the default."""
     from streambox.config import default_model_pool
 
-    return Path(args.pool) if args.pool else default_model_pool()
+    if not args.pool:
+        return default_model_pool()
+    path = Path(args.pool)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--pool {path}: not a directory")
+    if not create and not path.exists():
+        raise ValueError(f"--pool {path}: no such directory")
+    return path
 
 
 def _ints(text: str, flag: str) -> list[int]:
     try:
-        values = [int(part) for part in text.replace("x", ",").split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers (e.g. 3,32,32), got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"{flag} takes positive integers, got {text!r}")
-    return values
+        return list(dimensions(text))
+    except ValueError as error:
+        raise ValueError(f"{flag} {error}") from None
 
 
 def _size(nbytes: int) -> str:
@@ -40,7 +47,7 @@ def cmd_add(args: argparse.Namespace) -> int:
     from streambox.kernel_compiler import registry
 
     record = registry.register(
-        _pool(args),
+        _pool(args, create=True),
         args.name,
         pt2=args.pt2,
         factory=args.factory,

@@ -128,3 +128,38 @@ def test_a_path_the_system_refuses_is_one_clear_line(capsys, tmp_path, monkeypat
     assert main(["devices"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("streambox devices: error: ") and "Not a directory" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["demo", "--models", "alexnet", "--batch", "0"], "--batch: 0 is not a positive integer"),
+        (["compile", "resnet18", "--batch", "-4"], "--batch: -4 is not a positive integer"),
+        (["compile", "resnet18", "--input-shape", "3,x"], "--input-shape: takes positive integers"),
+        (["compile", "resnet18", "--input-shape", "0x0x0"], "--input-shape: takes positive integers"),
+        (["invoke", "traffic", "--sample", "--url", "localhost:8080"], "is not an http(s) URL"),
+        (
+            ["invoke", "traffic", "--sample", "--url", "http://localhost:99999"],
+            "--url: 'http://localhost:99999'",
+        ),
+        (["burst", "traffic", "-c", "0"], "--concurrency/-c: 0 is not a positive integer"),
+        (["burst", "traffic", "--via", "bogus"], "--via: invalid choice: 'bogus'"),
+    ],
+)
+def test_bad_numbers_shapes_and_urls_are_refused_before_any_work(argv, says, capsys, tmp_path, monkeypatch):
+    """Checked while parsing: nothing is lowered or written (a batch of 0 used to lower a 233 MB plan
+    into the shared model pool and then crash)."""
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path / "pool"))
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "pool").exists()
+
+
+def test_an_unknown_model_is_named_with_the_known_ones(capsys, tmp_path, monkeypatch):
+    """A KeyError subclass that words its own message is shown whole (it used to be the bare name)."""
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path / "pool"))
+    assert main(["demo", "--models", "nosuch"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("streambox demo: error: unknown model 'nosuch'; known models: alexnet,")

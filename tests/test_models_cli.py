@@ -72,3 +72,27 @@ def test_the_models_parser_imports_no_torch():
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_pool_that_is_no_directory_is_named(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["models", "list", "--pool", str(tmp_path / "missing")]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"streambox models: error: --pool {tmp_path / 'missing'}: no such directory"
+    )
+    assert main(["models", "add", "x", "--pt2", str(afile), "--pool", str(afile)]) == 2
+    assert capsys.readouterr().err.strip() == f"streambox models: error: --pool {afile}: not a directory"
+    assert (
+        main(["models", "add", "x", "--factory", "mod:f", "--input-shape", "3,x", "--pool", str(tmp_path)])
+        == 2
+    )
+    assert "--input-shape takes positive integers separated by 'x' or ','" in capsys.readouterr().err
+
+
+def test_a_factory_module_off_the_path_says_how_to_put_it_there(tmp_path, capsys):
+    argv = ["models", "add", "x", "--factory", "no_such_module_here:build", "--input-shape", "3"]
+    assert main([*argv, "--pool", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "No module named 'no_such_module_here'" in err and "set PYTHONPATH" in err

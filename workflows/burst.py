@@ -84,9 +84,27 @@ def parse_params(pairs: Sequence[str] | None, spec: WorkflowSpec) -> dict[str, d
             targets = [function]
         else:
             targets = [f for f, fn in spec.functions.items() if name in fn.params] or list(entries)
+        value = _value(text.strip())
         for target in targets:
-            out.setdefault(target, {})[name] = _value(text.strip())
+            current = spec.functions[target].params.get(name)
+            if current is not None and _kind(value) != _kind(current):
+                raise ValueError(
+                    f"--params {pair!r}: {target}.{name} is {_kind(current)} in the workflow "
+                    f"({current!r}); got {_kind(value)} {value!r}"
+                )
+            out.setdefault(target, {})[name] = value
     return out
+
+
+def _kind(value: Any) -> str:
+    """A param value's kind as a workflow author reads it (an int and a float are both numbers)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "text"
+    return "a list" if isinstance(value, list) else "a mapping"
 
 
 def resolve_params(

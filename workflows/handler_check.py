@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from functools import cache
@@ -73,6 +74,11 @@ def check_target(ref: str, base_dir: Path | None) -> Path:
         if spec is not None and not inside:
             raise HandlerError(f"handler {ref!r}: {top!r} is already imported from elsewhere ({allowed})")
     if spec is None or spec.origin is None or spec.origin in ("built-in", "frozen"):
+        if module.endswith(".py"):  # a file name where a module name goes
+            raise HandlerError(
+                f"handler {ref!r}: a handler names a module, not a file: did you mean "
+                f"'{module[: -len('.py')]}:{attr}'?"
+            )
         raise HandlerError(f"cannot import module {module!r}: it is not in the workflow's code ({allowed})")
     return Path(spec.origin)
 
@@ -113,6 +119,8 @@ def _inspect_modules(
     left = [m for m, _, _ in stamps]
     while left:
         code, found = _run_child(left, base_dir, timeout_s)
+        if code == -signal.SIGINT:  # Ctrl-C reached the child too: the user's interrupt, not the module's
+            raise KeyboardInterrupt
         reports.update(found)
         left = [m for m in left if m not in reports]
         if left:  # the child stopped while importing the first module it did not report

@@ -74,6 +74,11 @@ def check_handler(ref: str, handler: Any) -> Handler:
     """`handler` if it is callable with `(ctx, event)`, else `HandlerError`."""
     if not callable(handler):
         raise HandlerError(f"{ref!r} is not a function but a value of type {type(handler).__name__}")
+    if inspect.iscoroutinefunction(handler) or inspect.isasyncgenfunction(handler):
+        raise HandlerError(
+            f"handler {ref!r} is an async function: handlers are plain functions (def), run on their "
+            "instance's thread; ctx.infer, ctx.put and ctx.get are called directly, without await"
+        )
     try:
         inspect.signature(handler).bind(None, {})
     except TypeError:

@@ -227,45 +227,73 @@ def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -
     declared_by = _check_handlers(doc, spec) if check_handlers else {}
     filled: dict[str, FunctionSpec] = {}
     for name, fn in spec.functions.items():
-        declared = declared_by.get(name)
-        if 1 < fn.max_batch_size < fn.batch_size:
-            doc.issue(
-                ("functions", name, "max_batch_size"),
-                f"{fn.max_batch_size} is smaller than batch_size ({fn.batch_size}): a batch holds whole "
-                f"invocations' inputs, so it must be 1 (no batching) or at least {fn.batch_size}",
-            )
-        elif 1 < fn.max_batch_size < 2 * fn.batch_size:
-            doc.issue(
-                ("functions", name, "max_batch_size"),
-                f"{fn.max_batch_size} is less than two invocations' samples ({2 * fn.batch_size}, "
-                f"batch_size {fn.batch_size} each): no batch would ever hold more than one; set 1 (no "
-                f"batching) or at least {2 * fn.batch_size}",
-            )
-        limit_ms = fn.timeout_ms if fn.timeout_ms is not None else spec.timeout_ms
-        if fn.max_batch_size > 1 and fn.max_queue_delay_ms >= limit_ms:
-            doc.issue(
-                ("functions", name, "max_queue_delay_ms"),
-                f"{fn.max_queue_delay_ms:g} ms is not shorter than the invocation's time limit "
-                f"({limit_ms:g} ms): a call no other joins would time out waiting for its batch",
-            )
+        _check_batching(doc, name, fn, spec.timeout_ms)
         for i, model in enumerate(fn.models):
             if problem := unknown_model(model):  # neither the zoo's nor registered in the model pool
                 doc.issue(("functions", name, "models", i), problem)
             elif model in fn.models[:i]:
                 doc.issue(("functions", name, "models", i), f"model {model!r} is listed twice")
-        if declared is not None:
-            if not fn.models:
-                fn = fn.model_copy(update={"models": declared})
-                filled[name] = fn
-            elif set(declared) != set(fn.models):
-                doc.issue(
-                    ("functions", name, "models"),
-                    f"the handler declares models {declared} but the workflow lists {fn.models}",
-                )
+        declared = declared_by.get(name)
+        if declared is None:
+            continue
+        if not fn.models:
+            for model in declared:
+                if problem := unknown_model(model):
+                    doc.issue(("functions", name, "handler"), f"the handler declares {problem}")
+            filled[name] = fn.model_copy(update={"models": declared})
+        elif set(declared) != set(fn.models):
+            doc.issue(
+                ("functions", name, "models"),
+                f"the handler declares models {declared} but the workflow lists {fn.models}",
+            )
     if not filled:
         return spec
     functions = {name: filled.get(name, fn) for name, fn in spec.functions.items()}
     return spec.model_copy(update={"functions": functions}).with_base_dir(spec.base_dir)
+
+
+def _check_batching(doc: _Document, name: str, fn: FunctionSpec, workflow_timeout_ms: float) -> None:
+    """The batcher's settings against the function's batch size and time limit."""
+    if 1 < fn.max_batch_size < fn.batch_size:
+        doc.issue(
+            ("functions", name, "max_batch_size"),
+            f"{fn.max_batch_size} is smaller than batch_size ({fn.batch_size}): a batch holds whole "
+            f"invocations' inputs, so it must be 1 (no batching) or at least {fn.batch_size}",
+        )
+    elif 1 < fn.max_batch_size < 2 * fn.batch_size:
+        doc.issue(
+            ("functions", name, "max_batch_size"),
+            f"{fn.max_batch_size} is less than two invocations' samples ({2 * fn.batch_size}, "
+            f"batch_size {fn.batch_size} each): no batch would ever hold more than one; set 1 (no "
+            f"batching) or at least {2 * fn.batch_size}",
+        )
+    else:
+        _check_batching_is_on(doc, name, fn)
+    limit_ms = fn.timeout_ms if fn.timeout_ms is not None else workflow_timeout_ms
+    if fn.max_batch_size > 1 and fn.max_queue_delay_ms >= limit_ms:
+        doc.issue(
+            ("functions", name, "max_queue_delay_ms"),
+            f"{fn.max_queue_delay_ms:g} ms is not shorter than the invocation's time limit "
+            f"({limit_ms:g} ms): a call no other joins would time out waiting for its batch",
+        )
+
+
+def _check_batching_is_on(doc: _Document, name: str, fn: FunctionSpec) -> None:
+    """Batching needs both settings: one without the other is a slip that would leave every call
+    unbatched without a word (docs/workflows.md, "Batching"). (`max_instances` 1 is not one: the
+    per-instance systems send a batch to one instance.)"""
+    if fn.max_batch_size > 1 and fn.max_queue_delay_ms == 0:
+        doc.issue(
+            ("functions", name, "max_batch_size"),
+            f"{fn.max_batch_size} needs max_queue_delay_ms > 0 too (how long a batch waits for more "
+            "calls): with 0 every call runs alone; set both, or max_batch_size: 1",
+        )
+    elif fn.max_batch_size == 1 and fn.max_queue_delay_ms > 0:
+        doc.issue(
+            ("functions", name, "max_queue_delay_ms"),
+            f"{fn.max_queue_delay_ms:g} ms has no effect without max_batch_size > 1 (batching is off); "
+            "set max_batch_size, or leave max_queue_delay_ms out",
+        )
 
 
 def _check_handlers(doc: _Document, spec: WorkflowSpec) -> dict[str, list[str] | None]:

@@ -23,6 +23,17 @@ class CountingLower:
         return lower_model(model, batch, shape)
 
 
+@pytest.mark.parametrize(
+    ("batch", "shape"), [(0, SHAPE), (-1, SHAPE), (True, SHAPE), (1, (3, 0, 16)), (1, (3, -16, 16))]
+)
+def test_a_batch_or_dimension_below_one_is_refused_before_lowering(tmp_path: Path, batch, shape) -> None:
+    """A batch of 0 lowered to a plan of empty tensors and was written into the pool."""
+    lower = CountingLower()
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        ModelPool(tmp_path, lower_fn=lower).get_or_lower("espcn", batch, shape)
+    assert lower.calls == [] and not (tmp_path / "espcn").exists()
+
+
 def test_lowers_once_and_lists(tmp_path: Path) -> None:
     lower = CountingLower()
     pool = ModelPool(tmp_path, lower_fn=lower)

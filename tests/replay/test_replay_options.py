@@ -129,6 +129,23 @@ def test_a_system_list_that_names_nothing_is_refused(given: str, capsys, tmp_pat
     assert f"--system {given!r} names no system; known: " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--sample-interval", "0"], "streambox replay: error: --sample-interval 0.0 must be >= 0.01"),
+        (["--pattern", "bogus"], "streambox replay: error: --pattern ('bogus',) is not one of"),
+        (["--max-duration", "-1"], "streambox replay: error: --max-duration -1.0 must be > 0"),
+    ],
+)
+def test_replay_mistakes_are_named_by_their_flags(flags: list[str], says: str, capsys, tmp_path) -> None:
+    from streambox.cli import main
+
+    assert main(["replay", "--minutes", "1", "--out", str(tmp_path / "r"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "ReplayConfig" not in err
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_comparison_refuses_a_finished_run_in_its_folder_before_its_first_replay(tmp_path) -> None:
     from streambox.replay.run import run_comparison
 

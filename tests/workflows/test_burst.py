@@ -117,8 +117,13 @@ def test_bad_workflows_give_one_line_errors(tmp_path, capsys):
     assert "the KEY after 'detect.' is empty" in capsys.readouterr().err
     assert main(["burst", "traffic", "--params", "image_size=NaN"]) == 2  # checked as the YAML's params
     assert "'detect': params.image_size.float: Input should be a finite number" in capsys.readouterr().err
-    assert main(["burst", "traffic", "--system", "nope"]) == 2
-    assert "system must be one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):  # argparse's usage error, before any deploy
+        main(["burst", "traffic", "--system", "nope"])
+    assert (
+        "--system: invalid choice: 'nope' (choose from 'streambox', 'stream-only')" in capsys.readouterr().err
+    )
+    assert main(["burst", "traffic", "--params", "detect.image_size=abc"]) == 2
+    assert "detect.image_size is a number in the workflow (64); got text 'abc'" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("")  # a --json path that cannot be written: refused before the run
     assert main(["burst", "traffic", "--json", str(tmp_path / "a-file" / "report.json")]) == 2
     err = capsys.readouterr().err
@@ -142,6 +147,12 @@ def test_traffic_params_and_default_inputs():
     assert tuned.functions["face"].params == {"flag": True}
     # a key no function declares goes to the entry functions
     assert parse_params(["brand_new=x"], spec) == {"detect": {"brand_new": "x"}}
+    # a value of another kind than the workflow's is named before any request runs
+    with pytest.raises(
+        ValueError, match=r"detect.image_size is a number in the workflow \(320\); got text 'abc'"
+    ):
+        parse_params(["detect.image_size=abc"], spec)
+    assert parse_params(["detect.min_box=2"], spec) == {"detect": {"min_box": 2}}  # an int for a float
 
     events = default_events(spec, 3)
     assert len(events) == 3 and all("image" in e for e in events)

@@ -121,6 +121,46 @@ def test_batching_fields_default_to_no_batching_and_bad_values_are_named():
     ]
 
 
+def test_batching_settings_that_would_leave_it_off_are_named():
+    head = "name: demo\nslo_ms: 50\nfunctions:\n"
+    echo = "handler: wf_test_handlers:echo"
+    assert errors(head + f"  a: {{{echo}, max_batch_size: 4}}\n") == [
+        "demo.yaml:4:39: functions.a.max_batch_size: 4 needs max_queue_delay_ms > 0 too (how long a batch "
+        "waits for more calls): with 0 every call runs alone; set both, or max_batch_size: 1"
+    ]
+    assert errors(head + f"  a: {{{echo}, max_queue_delay_ms: 5}}\n") == [
+        "demo.yaml:4:39: functions.a.max_queue_delay_ms: 5 ms has no effect without max_batch_size > 1 "
+        "(batching is off); set max_batch_size, or leave max_queue_delay_ms out"
+    ]
+
+
+def test_handler_mistakes_found_before_any_call(tmp_path):
+    """An async handler, a file name for a module, a model the decorator declares that nothing knows."""
+    (tmp_path / "hh.py").write_text(
+        "import streambox\n\n"
+        "async def arun(ctx, event):\n    return event\n\n"
+        "@streambox.function(models=['nosuch'])\ndef ghost(ctx, event):\n    return event\n"
+    )
+    text = (
+        "name: demo\nslo_ms: 100\nfunctions:\n"
+        "  a: {handler: hh:arun}\n"
+        "  b: {handler: hh.py:arun}\n"
+        "  c: {handler: hh:ghost}\n"
+    )
+    with pytest.raises(WorkflowValidationError) as info:
+        parse_spec(text, "demo.yaml", tmp_path)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("demo.yaml:4:7: functions.a.handler: handler 'hh:arun' is an async function")
+    assert lines[1] == (
+        "demo.yaml:5:7: functions.b.handler: handler 'hh.py:arun': a handler names a module, not a file: "
+        "did you mean 'hh:arun'?"
+    )
+    assert lines[2].startswith(
+        "demo.yaml:6:7: functions.c.handler: the handler declares unknown model 'nosuch'; known models: "
+    )
+    assert len(lines) == 3
+
+
 def test_missing_keys_point_at_the_enclosing_mapping():
     assert errors("name: demo\nfunctions:\n  a: {models: []}\n") == [
         "demo.yaml:1:1: slo_ms: required key is missing",
@@ -346,3 +386,12 @@ def test_keys_yaml_reads_as_numbers_or_flags_are_refused_where_they_are():
     assert "demo.yaml:4:3: functions.1: a key must be text, not int 1: quote it ('1')" in found
     assert "demo.yaml:5:3: functions.true: a key must be text, not bool True: quote it ('true')" in found
     assert not any("duplicate" in e for e in found)  # 1 == True in Python: not a duplicate here
+
+
+def test_ctrl_c_while_a_handler_is_checked_is_an_interrupt_not_a_bad_handler(tmp_path):
+    """The child that imports handlers shares the terminal's Ctrl-C: a module it was importing when
+    the user pressed it was reported as broken ("exited with code -2")."""
+    (tmp_path / "interrupted.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
+    text = "name: demo\nslo_ms: 100\nfunctions:\n  a: {handler: interrupted:run}\n"
+    with pytest.raises(KeyboardInterrupt):
+        parse_spec(text, "demo.yaml", tmp_path)
