@@ -122,10 +122,10 @@ def lower_for(
 ) -> KernelPlan:
     """Lower for ``example``'s shape; export and lowering failures become ``UnsupportedModelError``."""
     start = time.perf_counter()
+    if program is None:
+        _check_takes(file, eager, example)
     try:
         if program is None:
-            if not isinstance(eager, torch.fx.GraphModule):  # a .pt2's module refuses eval(); it has no modes
-                eager.eval()
             with torch.no_grad():
                 program = torch.export.export(eager, (example,))
         ep = program.run_decompositions()  # default table: core ATen
@@ -139,6 +139,22 @@ def lower_for(
     if len(plan.inputs) != 1:
         raise UnsupportedModelError(file, f"the model takes {len(plan.inputs)} tensor inputs, not one")
     return plan
+
+
+def _check_takes(file: str, eager: nn.Module, example: torch.Tensor) -> None:
+    """Eager torch runs `example` (in eval mode): a shape the module rejects is named as the input's
+    mistake here, not as a lowering failure after torch.export has logged its own traceback."""
+    if not isinstance(eager, torch.fx.GraphModule):  # a .pt2's module refuses eval(); it has no modes
+        eager.eval()
+    try:
+        with torch.no_grad():
+            eager(example)
+    except Exception as error:  # the user's module: whatever it raises means "not this input"
+        raise ModelRegistrationError(
+            file,
+            f"the model rejects an input of shape {list(example.shape)} ({example.dtype}; batch first, then "
+            f"the input shape given): {first_line(error)}",
+        ) from None
 
 
 def check_plan(file: str, plan: KernelPlan, eager: nn.Module, example: torch.Tensor) -> float:

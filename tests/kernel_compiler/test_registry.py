@@ -211,6 +211,11 @@ def test_a_user_s_mistakes_in_registration_are_one_clear_error(tmp_path, factory
         (dict(factory=f"{name}:build", weights=junk), r"junk.safetensors.*cannot be read as weights"),
         (dict(factory=f"{name}:build", input_dtype="complex64"), r"input dtype 'complex64' is not one of"),
         (dict(factory=f"{name}:build", batches=[10**15]), r"batch sizes must be integers from 1 to 1024"),
+        (  # an input shape the module cannot take: the input's mistake, not a lowering failure
+            dict(factory=f"{name}:build", input_shape=(3, 12)),
+            r"the model rejects an input of shape \[1, 3, 12\] \(torch.float32; batch first, then the input "
+            r"shape given\): RuntimeError: ",
+        ),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
