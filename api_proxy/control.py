@@ -419,6 +419,11 @@ def launch_proxy(
             env=child_env,
             close_fds=True,
             pass_fds=(key_r,),
+            # Its own process group: a Ctrl-C at the terminal goes to the process that started it,
+            # which decides (a replay lets the requests in flight finish, a deploy stops its proxies);
+            # the proxy ends when told to or when that process is gone, never halfway through its
+            # start with a KeyboardInterrupt traceback.
+            process_group=0,
         )
     finally:
         os.close(key_r)
