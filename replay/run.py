@@ -160,6 +160,8 @@ def build_workload(config: ReplayConfig) -> Workload:
     """Load, choose, map and shape: everything before a target is involved (pure but for the read)."""
     trace = load_trace(config.trace if config.trace is not None else sample_trace())
     end = config.start_minute + config.minutes
+    if not trace.functions:
+        raise ValueError(f"{config.trace or SAMPLE_NAME} holds no function's invocations (a header alone?)")
     if end > trace.minutes:
         raise ValueError(
             f"trace minutes [{config.start_minute}, {end}) run past the end of "

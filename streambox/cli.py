@@ -121,8 +121,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve workflows through the HTTP gateway, one API proxy per workflow."""
     from streambox.workflows.commands import inputs_from, proxy_options_from, serve
+    from streambox.workflows.gateway import check_bind
     from streambox.workflows.proxy_invoker import ProxyInvoker
 
+    check_bind(args.host, args.allow_remote)  # before the workflows are checked and deployed
     inputs = inputs_from(args)
     config = _config(args)
     options = {"model_shapes": inputs, **proxy_options_from(args)}
@@ -172,7 +174,10 @@ def cmd_invoke(args: argparse.Namespace) -> int:
     if args.image is not None:  # JPEG/PNG/.npy file bytes as the event's base64 "image"
         from streambox.workflows.image_input import image_field
 
-        event = {**event, "image": image_field(Path(args.image).read_bytes())}
+        try:
+            event = {**event, "image": image_field(Path(args.image).read_bytes())}
+        except (OSError, ValueError) as error:
+            raise ValueError(f"--image {args.image}: {getattr(error, 'strerror', None) or error}") from None
     try:
         token = _token(args.token_file)
         response = invoke(args.name, event, url=args.url, timeout_s=args.timeout, token=token)

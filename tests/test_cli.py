@@ -163,3 +163,12 @@ def test_an_unknown_model_is_named_with_the_known_ones(capsys, tmp_path, monkeyp
     assert main(["demo", "--models", "nosuch"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("streambox demo: error: unknown model 'nosuch'; known models: alexnet,")
+
+
+def test_validate_names_an_empty_name_and_a_dangling_link(tmp_path, capsys):
+    assert main(["validate", ""]) == 2
+    assert "an empty name: give a workflow YAML file or a bundled workflow (" in capsys.readouterr().err
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    assert main(["validate", str(tmp_path / "a")]) == 2
+    assert f"{tmp_path / 'a'}: a symbolic link to nothing (or a loop of links)" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from streambox.flags import MECHANISMS, RUN, given_settings
 
 from .engine import Engine, RequestResult
 from .examples import EXAMPLES, SMALL_PARAMS, example_path
-from .gateway import Gateway, GatewayServer
+from .gateway import Gateway, GatewayServer, check_bind
 from .invoker import Invoker, StatsSource
 from .local import LocalInvoker
 from .spec import WorkflowSpec
@@ -47,11 +47,15 @@ class GatewayUnreachable(RuntimeError):
 
 def resolve_workflow_path(path_or_example: str | Path) -> Path:
     """A YAML path, or the name of a bundled example (`traffic`, `image-processing`, ...)."""
+    known = ", ".join(EXAMPLES)
+    if not str(path_or_example).strip():
+        raise ValueError(f"an empty name: give a workflow YAML file or a bundled workflow ({known})")
     path = Path(path_or_example)
     if not path.exists() and str(path_or_example) in EXAMPLES:
         return example_path(str(path_or_example))
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"{path}: a symbolic link to nothing (or a loop of links)")
     if not path.exists():
-        known = ", ".join(EXAMPLES)
         raise ValueError(f"{path}: no such file, and no bundled workflow of that name ({known})")
     return path
 
@@ -96,6 +100,7 @@ async def serve_async(
 ) -> None:
     """Deploy the workflows and serve them until `stop` is set or SIGINT/SIGTERM arrives.
     `gateway_options`: the gateway's limits (`Gateway`'s `max_in_flight`, `max_body_bytes_in_flight`)."""
+    check_bind(host, allow_remote)  # before any deploy, which takes seconds
     config = config or Config.from_env()
     invoker = (invoker_factory or _local_invoker)(config, system)
     if stats is None:

@@ -226,18 +226,24 @@ class Gateway:
         return response
 
 
+def check_bind(host: str, allow_remote: bool) -> None:
+    """A host beyond the loopback interface only with `allow_remote` (checked before a deploy too, so
+    that the refusal does not wait for it)."""
+    if not is_loopback(host) and not allow_remote:
+        raise ValueError(
+            f"binding the gateway to {host!r} exposes it beyond this machine; pass allow_remote "
+            "(`streambox serve --allow-remote`), and set a bearer token (--token-file)"
+        )
+
+
 class GatewayServer:
     """Runs a gateway on host:port (port 0: a free port) inside the running event loop."""
 
     def __init__(
         self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, *, allow_remote: bool = False
     ) -> None:
+        check_bind(host, allow_remote)
         if not is_loopback(host):
-            if not allow_remote:
-                raise ValueError(
-                    f"binding the gateway to {host!r} exposes it beyond this machine; pass allow_remote "
-                    "(`streambox serve --allow-remote`), and set a bearer token (--token-file)"
-                )
             log.warning(
                 "the gateway listens on %s, reachable beyond this machine%s",
                 host,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import aiohttp
 import pytest
@@ -101,6 +102,28 @@ def test_binding_beyond_loopback_needs_an_opt_in_and_warns(caplog):
         assert is_loopback(host)
     for host in ("0.0.0.0", "::", "10.0.0.1", "example.com"):
         assert not is_loopback(host)
+
+
+def test_serve_refuses_a_remote_host_before_it_deploys_anything(capsys, tmp_path, monkeypatch):
+    """The refusal used to come after the workflows' checks and deploys (about 15 s)."""
+    from streambox.cli import main
+
+    monkeypatch.setenv("STREAMBOX_STATE_DIR", str(tmp_path / "state"))
+    started = time.monotonic()
+    assert main(["serve", "traffic", "--host", "0.0.0.0"]) == 2
+    assert "exposes it beyond this machine" in capsys.readouterr().err
+    assert time.monotonic() - started < 5 and not (tmp_path / "state").exists()
+
+
+def test_invoke_names_an_image_file_that_is_no_image(capsys, tmp_path):
+    from streambox.cli import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["invoke", "traffic", "--sample", "--image", str(bad)]) == 2
+    assert f"--image {bad}: not an image" in capsys.readouterr().err
+    assert main(["invoke", "traffic", "--sample", "--image", str(tmp_path / "missing.png")]) == 2
+    assert f"--image {tmp_path / 'missing.png'}: No such file or directory" in capsys.readouterr().err
 
 
 def test_json_depth():

@@ -117,6 +117,22 @@ def test_bad_cells_name_the_line(tmp_path):
         read_invocations(gap)
 
 
+def test_a_negative_duration_and_a_trace_without_functions_are_named(tmp_path):
+    from streambox.replay.traces import DURATION_COLUMNS
+
+    durations = tmp_path / "dur.csv"
+    values = ["-287"] + ["1"] * (len(DURATION_COLUMNS) - 1)
+    durations.write_text("HashFunction," + ",".join(DURATION_COLUMNS) + "\nf," + ",".join(values) + "\n")
+    with pytest.raises(TraceFormatError, match=r"dur.csv, line 2: column Average is '-287', negative"):
+        read_durations(durations)
+    header_only = tmp_path / "invocations.csv"
+    header_only.write_text("HashFunction,Trigger,1,2\n")
+    from streambox.replay.run import build_workload, replay_config
+
+    with pytest.raises(ValueError, match="holds no function's invocations"):
+        build_workload(replay_config(header_only, minutes=1))
+
+
 def test_a_function_in_two_rows_is_one_function_with_their_invocations_added(tmp_path):
     twice = tmp_path / "inv.csv"
     rows = ["HashFunction,HashOwner,HashApp,minute_1,minute_2", "f1,o1,a1,3,4", "f2,o1,a1,1,1"]
