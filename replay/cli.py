@@ -204,7 +204,7 @@ def _in_flags(message: str) -> str:
         rest = line.removeprefix("ReplayConfig: ")
         if rest != line:
             field, _, said = rest.partition(" ")
-            line = f"{_FLAGS.get(field, '--' + field.replace('_', '-'))} {said}"
+            line = f"{_FLAGS.get(field) or flag_of(field)} {said}"
         lines.append(line)
     return "\n".join(lines)
 
