@@ -86,6 +86,17 @@ def format_loc(loc: Iterable[str | int]) -> str:
     return out
 
 
+_YAML_TAG = "tag:yaml.org,2002:"
+_PLAIN_KINDS = frozenset(
+    ("map", "seq", "str", "int", "float", "bool", "null", "timestamp", "binary", "merge")
+)
+
+
+def _plain_tag(tag: str) -> bool:
+    """A tag the safe loader resolves to plain data (what a YAML file gets without writing a tag)."""
+    return tag.startswith(_YAML_TAG) and tag[len(_YAML_TAG) :] in _PLAIN_KINDS
+
+
 class _Document:
     """YAML nodes turned into plain data, remembering where each key and item stands."""
 
@@ -118,6 +129,11 @@ class _Document:
             return None
         self._count(node, len(active))
         active = active | {id(node)}
+        if not _plain_tag(node.tag):  # `!!python/object/apply:...` and the like: never constructed
+            shown = "!!" + node.tag.removeprefix(_YAML_TAG) if node.tag.startswith(_YAML_TAG) else node.tag
+            plain = "a workflow holds plain values (text, numbers, lists, mappings)"
+            self.issue(loc, f"unsupported YAML tag {shown}: {plain}", node.start_mark)
+            return None
         if isinstance(node, MappingNode):
             self._constructor.flatten_mapping(node)  # merge keys (<<) as PyYAML does
             out: dict[Any, Any] = {}
@@ -343,7 +359,7 @@ def parse_spec(
     except RecursionError:  # the composer recurses per level, before `build` can count
         doc.issue((), f"values nested more than {MAX_DEPTH} levels deep")
         raise WorkflowValidationError(doc.issues) from None
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) and not doc.issues:  # a refused tag at the top said why already
         keys = ", ".join(_keys_of(WorkflowSpec))
         found = "an empty file" if data is None else f"a {type(data).__name__}"
         doc.issue((), f"a workflow is a YAML mapping with the keys {keys}; found {found}")

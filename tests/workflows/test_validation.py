@@ -395,3 +395,17 @@ def test_ctrl_c_while_a_handler_is_checked_is_an_interrupt_not_a_bad_handler(tmp
     text = "name: demo\nslo_ms: 100\nfunctions:\n  a: {handler: interrupted:run}\n"
     with pytest.raises(KeyboardInterrupt):
         parse_spec(text, "demo.yaml", tmp_path)
+
+
+def test_a_yaml_tag_that_would_build_an_object_is_named_never_built():
+    assert errors('!!python/object/apply:os.system ["echo hi"]\n') == [
+        "demo.yaml:1:1: unsupported YAML tag !!python/object/apply:os.system: a workflow holds plain "
+        "values (text, numbers, lists, mappings)"
+    ]
+    text = "name: demo\nslo_ms: !custom 100\nfunctions: {a: {handler: wf_test_handlers:echo}}\n"
+    assert errors(text) == [
+        "demo.yaml:2:9: slo_ms: unsupported YAML tag !custom: a workflow holds plain values (text, "
+        "numbers, lists, mappings)"
+    ]
+    plain = "name: !!str demo\nslo_ms: !!int 100\nfunctions: {a: {handler: wf_test_handlers:echo}}\n"
+    assert parse_spec(plain, "d.yaml", HERE).slo_ms == 100
