@@ -353,6 +353,14 @@ def parse_spec(
         problem = "; ".join(p for p in (error.context, error.problem) if p)
         doc.issue((), f"invalid YAML: {problem}", mark)
         raise WorkflowValidationError(doc.issues) from None
+    except yaml.reader.ReaderError as error:  # a character YAML refuses: placed by line, not offset
+        offset = error.position
+        line, column = text.count("\n", 0, offset), offset - (text.rfind("\n", 0, offset) + 1)
+        mark = yaml.Mark(file, offset, line, column, None, None)
+        char = error.character
+        shown = f"U+{char:04X}" if isinstance(char, int) else repr(char)
+        doc.issue((), f"invalid YAML: character {shown} is not allowed ({error.reason})", mark)
+        raise WorkflowValidationError(doc.issues) from None
     except yaml.YAMLError as error:
         doc.issue((), f"invalid YAML: {error}")
         raise WorkflowValidationError(doc.issues) from None

@@ -409,3 +409,9 @@ def test_a_yaml_tag_that_would_build_an_object_is_named_never_built():
     ]
     plain = "name: !!str demo\nslo_ms: !!int 100\nfunctions: {a: {handler: wf_test_handlers:echo}}\n"
     assert parse_spec(plain, "d.yaml", HERE).slo_ms == 100
+
+
+def test_a_character_yaml_refuses_is_placed_by_line_and_column():
+    assert errors("name: demo\nslo_ms: 1\x0000\n") == [
+        "demo.yaml:2:10: invalid YAML: character U+0000 is not allowed (special characters are not allowed)"
+    ]
