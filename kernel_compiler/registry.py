@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -260,10 +261,15 @@ def _from_pt2(pt2: Path | str, batches: list[int], input_shape: Sequence[int] | 
     file = str(Path(pt2).resolve())
     if not Path(pt2).is_file():
         raise ModelRegistrationError(file, "no such file")
+    export_log = logging.getLogger("torch.export")  # it logs a corrupt file's traceback, then raises
+    level = export_log.level
+    export_log.setLevel(logging.ERROR)
     try:
         program = torch.export.load(pt2)
     except Exception as error:
         raise ModelRegistrationError(file, f"not a torch.export.save file ({first_line(error)})") from None
+    finally:
+        export_log.setLevel(level)
     eager = program.module()
     user_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     if len(user_inputs) != 1:

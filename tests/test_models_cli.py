@@ -96,3 +96,13 @@ def test_a_factory_module_off_the_path_says_how_to_put_it_there(tmp_path, capsys
     assert main([*argv, "--pool", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "No module named 'no_such_module_here'" in err and "set PYTHONPATH" in err
+
+
+def test_a_corrupt_pt2_is_one_line_without_torch_s_log(tmp_path, capfd):
+    bad = tmp_path / "bad.pt2"
+    bad.write_bytes(b"garbage")
+    assert main(["models", "add", "x", "--pt2", str(bad), "--pool", str(tmp_path / "pool")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [
+        f"streambox models: error: {bad}: not a torch.export.save file (BadZipFile: File is not a zip file)"
+    ]
