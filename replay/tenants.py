@@ -28,6 +28,10 @@ def expand_tenants(names: Iterable[str]) -> tuple[str, ...]:
     for name in names:
         many = _MANY.match(name)
         if many is None:
+            if "*" in name:  # `traffic*abc`, `traffic*`, `*3`
+                raise ValueError(
+                    f"workflow {name!r}: NAME*N takes a workflow name and a whole number of tenants"
+                )
             expanded.append(name)
             continue
         count = int(many["count"])

@@ -27,6 +27,8 @@ def test_a_count_expands_to_numbered_tenants_and_plain_names_stay() -> None:
         (["traffic*0"], "within 1..48, got 0"),
         ([f"traffic*{MAX_TENANTS + 1}"], f"got {MAX_TENANTS + 1}"),
         (["traffic*2", "traffic@1"], "named more than once: traffic@1"),
+        (["traffic*abc"], r"'traffic\*abc': NAME\*N takes a workflow name and a whole number of tenants"),
+        (["*3"], r"'\*3': NAME\*N takes"),
     ],
 )
 def test_a_bad_count_or_a_repeated_tenant_is_refused(names: list[str], message: str) -> None:
