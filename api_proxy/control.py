@@ -47,9 +47,15 @@ log = logging.getLogger(__name__)
 
 START_ERROR_FILE = "start_error.txt"
 LIVENESS_S = 0.05  # how often a waiting blocking client checks that its proxy process still runs
-LAUNCH_PROXY = (
-    "import sys; from streambox.api_proxy.control import take_key; take_key(); "  # first: a short window
-    "from streambox.api_proxy.proxy import main; sys.exit(main())"
+LAUNCH_PROXY = (  # take_key first: a short window. A Ctrl-C while importing ends it quietly (the
+    # terminal's Ctrl-C reaches the proxies too; the command that started them reports the interrupt)
+    "import sys\n"
+    "try:\n"
+    "    from streambox.api_proxy.control import take_key; take_key()\n"
+    "    from streambox.api_proxy.proxy import main\n"
+    "except KeyboardInterrupt:\n"
+    "    sys.exit(130)\n"
+    "sys.exit(main())\n"
 )
 
 
@@ -419,11 +425,6 @@ def launch_proxy(
             env=child_env,
             close_fds=True,
             pass_fds=(key_r,),
-            # Its own process group: a Ctrl-C at the terminal goes to the process that started it,
-            # which decides (a replay lets the requests in flight finish, a deploy stops its proxies);
-            # the proxy ends when told to or when that process is gone, never halfway through its
-            # start with a KeyboardInterrupt traceback.
-            process_group=0,
         )
     finally:
         os.close(key_r)

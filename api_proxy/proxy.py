@@ -452,7 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     # Not PR_SET_PDEATHSIG: it fires when the launching *thread* ends (launchers use thread pools).
     # The dispatcher's timers watch the parent process instead and shut down when it is gone.
     PAUSES.install()
-    server = ProxyServer(config)
+    try:
+        server = ProxyServer(config)
+    except KeyboardInterrupt:  # Ctrl-C at the terminal: the command that started it reports it
+        return 130
 
     def stop(signum: int, frame: Any) -> None:
         server._stop = True
@@ -463,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         freeze = freezing()  # a bad STREAMBOX_FREEZE_HEAP fails the start, before any work
         server.start()
     except BaseException as exc:
+        if server._stop:  # interrupted (Ctrl-C, SIGTERM) while starting: no error of its own to report
+            with contextlib.suppress(Exception):
+                server.supervisor.template.kill()
+            return 130
         message = f"{type(exc).__name__}: {exc}"
         print(f"streambox proxy {config.workflow!r}: could not start: {message}", file=sys.stderr, flush=True)
         if config.directory:

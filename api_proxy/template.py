@@ -269,7 +269,6 @@ class _Template:
 
     def run(self, spares: int, collapsed: int) -> None:
         signal.signal(signal.SIGCHLD, self.reap)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when the template ends
         with _sigchld_blocked():
             for _ in range(spares):
                 self.fork_spare()
@@ -286,6 +285,9 @@ class _Template:
 
 
 def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
+    # The proxy decides when the template ends (a Ctrl-C at the terminal reaches both: the proxy
+    # stops and kills it); its forked instances take Ctrl-C back (`_setup_child`).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     config = read_frame(cmd_fd)
     if config is None:
@@ -314,7 +316,11 @@ def _sigchld_blocked() -> Any:
 
 
 #: The command the proxy runs (from a neutral working directory, so nothing shadows the package).
-LAUNCH = (
-    "import sys; from streambox.api_proxy.template import main; "
-    "main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
+LAUNCH = (  # a Ctrl-C while importing ends it quietly, as a proxy's (`control.LAUNCH_PROXY`)
+    "import sys\n"
+    "try:\n"
+    "    from streambox.api_proxy.template import main\n"
+    "except KeyboardInterrupt:\n"
+    "    sys.exit(130)\n"
+    "main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))\n"
 )

@@ -53,6 +53,8 @@ def call_factory(factory: str) -> tuple[nn.Module, tuple[int, ...] | None]:
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except ModuleNotFoundError as error:
+        if error.name is None or not f"{module_name}.".startswith(f"{error.name}."):  # what it imports
+            raise ModelRegistrationError(factory, f"cannot import the factory: {error}") from None
         raise ModelRegistrationError(
             factory,
             f"cannot import the factory: {error}. Its module must be importable from Python's path in "
@@ -118,12 +120,22 @@ def _refuse_control_flow(graph: torch.fx.Graph) -> None:
 
 
 def lower_for(
-    file: str, ref: str, eager: nn.Module, example: torch.Tensor, program: Any | None = None
+    file: str,
+    ref: str,
+    eager: nn.Module,
+    example: torch.Tensor,
+    program: Any | None = None,
+    *,
+    check_input: bool = False,
 ) -> KernelPlan:
-    """Lower for ``example``'s shape; export and lowering failures become ``UnsupportedModelError``."""
+    """Lower for ``example``'s shape; export and lowering failures become ``UnsupportedModelError``.
+    ``check_input`` (registration, which runs eager torch on it anyway): eager torch runs ``example``
+    first, so that a shape the module cannot take is named as the input's mistake."""
     start = time.perf_counter()
-    if program is None:
-        _check_takes(file, eager, example)
+    if program is None and check_input:
+        _check_takes(file, eager, example)  # in eval mode
+    elif program is None and not isinstance(eager, torch.fx.GraphModule):  # a .pt2's has no modes
+        eager.eval()
     try:
         if program is None:
             with torch.no_grad():

@@ -16,6 +16,7 @@ built under a temporary name and renamed into place in one step: a failed regist
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -24,7 +25,8 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -257,19 +259,46 @@ def _checked_batches(
     return checked
 
 
+@contextlib.contextmanager
+def _export_log_held() -> Iterator[list[logging.LogRecord]]:
+    """What `torch.export` logs meanwhile, held instead of printed: `torch.export.load` logs a corrupt
+    file's whole traceback as a warning before it raises, and the error then says it once."""
+    export_log = logging.getLogger("torch.export")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    export_log.addFilter(hold)
+    try:
+        yield held
+    finally:
+        export_log.removeFilter(hold)
+
+
+def _last_line(record: logging.LogRecord) -> str:
+    """A logged traceback's last line (the exception), or the message's."""
+    text = record.getMessage()
+    if record.exc_info:
+        text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def _from_pt2(pt2: Path | str, batches: list[int], input_shape: Sequence[int] | None) -> _Source:
     file = str(Path(pt2).resolve())
     if not Path(pt2).is_file():
         raise ModelRegistrationError(file, "no such file")
-    export_log = logging.getLogger("torch.export")  # it logs a corrupt file's traceback, then raises
-    level = export_log.level
-    export_log.setLevel(logging.ERROR)
-    try:
-        program = torch.export.load(pt2)
-    except Exception as error:
-        raise ModelRegistrationError(file, f"not a torch.export.save file ({first_line(error)})") from None
-    finally:
-        export_log.setLevel(level)
+    with _export_log_held() as held:
+        try:
+            program = torch.export.load(pt2)
+        except Exception as error:
+            cause = _last_line(held[-1]) if held else ""
+            why = first_line(error) + (f"; {cause}" if cause and cause not in first_line(error) else "")
+            raise ModelRegistrationError(file, f"not a torch.export.save file ({why})") from None
+    for record in held:  # a file that loads: its notes (an older format's deprecation) as torch logs them
+        logging.getLogger(record.name).handle(record)
     eager = program.module()
     user_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     if len(user_inputs) != 1:
@@ -332,7 +361,9 @@ def _lower_batches(
     for batch in batches:
         example = example_for(source.shape, source.dtype, batch)
         exact = source.program is not None and batch == source.static_batch
-        plan = lower_for(source.file, ref, source.eager, example, source.program if exact else None)
+        plan = lower_for(
+            source.file, ref, source.eager, example, source.program if exact else None, check_input=True
+        )
         diff = check_plan(source.file, plan, source.eager, example)
         profile = profile_plan(plan)
         plan_dir = model_dir / f"b{batch}_{'x'.join(map(str, source.shape))}"

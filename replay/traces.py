@@ -332,8 +332,6 @@ def _number(path: Path, number: int, row: dict[str, str], column: str) -> float:
         ) from None
     if not math.isfinite(value):
         raise TraceFormatError(f"{path}, line {number}: column {column} is {row[column]!r}, not finite")
-    if value < 0:  # counts, durations and megabytes alike
-        raise TraceFormatError(f"{path}, line {number}: column {column} is {row[column]!r}, negative")
     return value
 
 

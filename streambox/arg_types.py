@@ -56,8 +56,8 @@ def positive_seconds(text: str) -> float:
 def dimensions(text: str) -> tuple[int, ...]:
     """Positive integers separated by `x` or `,` (`3x224x224`, `3,224,224`); raises ValueError."""
     parts = [part.strip() for part in text.replace("x", ",").split(",")]
-    if not text.strip() or any(not part.isdigit() for part in parts):
-        raise ValueError(f"takes positive integers separated by 'x' or ',' (e.g. 3x224x224), got {text!r}")
+    if not text.strip() or any(not (part.isascii() and part.isdigit()) for part in parts):
+        raise ValueError(f"takes positive integers separated by 'x' or ',', got {text!r}")
     values = tuple(int(part) for part in parts)
     if any(v < 1 for v in values):
         raise ValueError(f"takes positive integers, got {text!r}")

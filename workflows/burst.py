@@ -86,18 +86,26 @@ def parse_params(pairs: Sequence[str] | None, spec: WorkflowSpec) -> dict[str, d
             targets = [f for f, fn in spec.functions.items() if name in fn.params] or list(entries)
         value = _value(text.strip())
         for target in targets:
-            current = spec.functions[target].params.get(name)
-            if current is not None and _kind(value) != _kind(current):
-                raise ValueError(
-                    f"--params {pair!r}: {target}.{name} is {_kind(current)} in the workflow "
-                    f"({current!r}); got {_kind(value)} {value!r}"
-                )
+            _check_kind(pair, f"{target}.{name}", spec.functions[target].params.get(name), value)
             out.setdefault(target, {})[name] = value
     return out
 
 
+def _check_kind(pair: str, where: str, current: Any, value: Any) -> None:
+    """An override of a param the workflow sets must be of the same kind (a number for a number)."""
+    if current is None or _kind(value) == _kind(current):
+        return
+    quote = " (VALUE is read as JSON: quote text, as KEY='\"123\"')" if isinstance(current, str) else ""
+    raise ValueError(
+        f"--params {pair!r}: {where} is {_kind(current)} in the workflow ({current!r}); "
+        f"got {_kind(value)} {value!r}{quote}"
+    )
+
+
 def _kind(value: Any) -> str:
     """A param value's kind as a workflow author reads it (an int and a float are both numbers)."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, (int, float)):

@@ -673,7 +673,6 @@ class MonolithicInvoker:
                 cwd=self._dir,
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
-                process_group=0,  # as a proxy (`launch_proxy`): Ctrl-C is for the process that runs it
             )
             self._starting[instance_id] = process
             theirs.close()

@@ -88,7 +88,7 @@ def format_loc(loc: Iterable[str | int]) -> str:
 
 _YAML_TAG = "tag:yaml.org,2002:"
 _PLAIN_KINDS = frozenset(
-    ("map", "seq", "str", "int", "float", "bool", "null", "timestamp", "binary", "merge")
+    ("map", "seq", "str", "int", "float", "bool", "null", "timestamp", "binary", "merge", "value")
 )
 
 
