@@ -253,16 +253,23 @@ class Resources:
         return Handle(self.workflow, t.address, dtype, tuple(t.shape), tuple(t.strides), t.nbytes)
 
     def alloc(
-        self, inst: Instance, dtype: torch.dtype, shape: tuple[int, ...], *, quota: bool = True
+        self,
+        inst: Instance,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        *,
+        quota: bool = True,
+        stream: Stream | None = None,
     ) -> DeviceTensor:
-        """Device memory on `inst`'s stream, within its invocation's quota (`quota=False`: the proxy's
-        own buffers that the invocation will not hold, e.g. a batch's gathered inputs)."""
+        """Device memory for work on `stream` (default: `inst`'s), within its invocation's quota
+        (`quota=False`: the proxy's own buffers that the invocation will not hold, e.g. a batch's
+        gathered inputs)."""
         if any(d < 0 for d in shape):
             raise ValueError(f"negative dimension in shape {shape}")
         nbytes = math.prod(shape) * dtype.itemsize
         if quota and inst.invocation is not None:
             self.check_quota(inst.spec.name, inst.invocation, nbytes)
-        address = self.memory.allocator.allocate(max(nbytes, 1), inst.stream)
+        address = self.memory.allocator.allocate(max(nbytes, 1), stream or inst.stream)
         return DeviceTensor(address, dtype, shape, contiguous_strides(shape), nbytes)
 
     def check_quota(self, function: str, inv: Invocation, nbytes: int) -> None:
@@ -279,7 +286,8 @@ class Resources:
         dtype_name, shape, data = payload
         dtype = torch_dtype(dtype_name)
         shape = tuple(int(d) for d in shape)
-        t = self.alloc(inst, dtype, shape)
+        # For the stream the daemon copies on: not a block the instance's queued kernels still use.
+        t = self.alloc(inst, dtype, shape, stream=self.io.copy_stream(inst.key, inst.stream))
         if len(data) != t.nbytes:
             self.memory.pool.free(t.address, inst.stream)
             raise ValueError(f"tensor of {dtype_name}{list(shape)} needs {t.nbytes} bytes, got {len(data)}")

@@ -304,6 +304,16 @@ class IODaemon:
                 self._cond.notify_all()  # the daemon issues the rest, or retires what was issued here
         return ticket
 
+    def copy_stream(self, function: Hashable, stream: Stream | None = None) -> Stream:
+        """The stream `submit(function, ..., stream=stream)` issues its copies on: the daemon's own in
+        streambox mode, `stream` (or the function's copy stream) in stream-only mode. Allocate a
+        destination for that stream: a block another stream freed may still be read or written by
+        that stream's queued kernels, and only work ordered after them may reuse it."""
+        if self.config.mode == "stream-only":
+            return stream or self.function_stream(function)
+        assert self.stream is not None  # made with the daemon in streambox mode
+        return self.stream
+
     def function_stream(self, function: Hashable) -> Stream:
         """Stream-only mode: the copy stream of `function` (created on first use)."""
         with self._cond:

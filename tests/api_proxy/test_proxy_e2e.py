@@ -81,6 +81,12 @@ HANDLERS = textwrap.dedent(
         copy = Handle(copy.workflow, copy.address, out.dtype, out.shape, out.strides, out.nbytes)
         return {"logits": ctx.download(copy).flatten().tolist(), "launched": launched}
 
+    @streambox.function(models=["resnet18"])
+    def infer_then_upload(ctx, event):
+        ctx.infer("resnet18", _input(1))  # its blocks go back to the pool while its kernels still run
+        uploaded = [ctx.upload(torch.full((n,), 1.0)) for n in (1000, 4096, 16384, 65536)]
+        return [float(ctx.download(h).sum()) for h in uploaded]
+
     @streambox.function
     def boom(ctx, event):
         ctx.alloc(1 << 20)
@@ -224,6 +230,7 @@ FUNCTIONS = (
     ProxyFunction("classify", "proxy_test_handlers:classify", models=("resnet18",)),
     ProxyFunction("consume", "proxy_test_handlers:consume", models=("resnet18",), max_instances=2),
     ProxyFunction("by_kernels", "proxy_test_handlers:by_kernels", models=("resnet18",)),
+    ProxyFunction("infer_then_upload", "proxy_test_handlers:infer_then_upload", models=("resnet18",)),
     ProxyFunction("boom", "proxy_test_handlers:boom"),
     ProxyFunction("crash", "proxy_test_handlers:crash"),
     ProxyFunction("sigkill", "proxy_test_handlers:sigkill"),
@@ -294,6 +301,14 @@ def test_infer_matches_eager_torch_and_get_is_zero_copy(proxies, side, zoo_model
     # consumers=1: the key is gone after its one GET
     with pytest.raises(FunctionFailed, match="KeyNotFound"):
         client.invoke("consume", {"timeout": 0.2}, request_id="rq")
+
+
+def test_an_upload_after_an_infer_is_not_overwritten_by_its_kernels(a):
+    # The IO daemon copies on its own stream: an upload's buffer must not be a block the infer's
+    # still-running kernels freed on the instance's stream (stream order protects only that stream).
+    for i in range(4):
+        sums = a.client.invoke("infer_then_upload", {}, request_id=f"r-up-{i}")["output"]
+        assert sums == [1000.0, 4096.0, 16384.0, 65536.0]
 
 
 def test_end_request_drops_the_request_keys(a):
