@@ -25,6 +25,13 @@ Either way the child closes the template's descriptors, asks to be killed with i
 template reports `[FORKED, instance id, pid]` / `[SPARE, pid]`, reaps its children and reports
 `[EXITED, pid, status]` on its event pipe.
 
+A handler may start processes of its own (`subprocess`, `os.fork`, a daemon that detaches with
+`setsid`). They end with their instance: the template is a child subreaper (`PR_SET_CHILD_SUBREAPER`),
+so what an instance leaves behind when it exits becomes the template's child, and the template kills
+every child that is not one of its instances or spares (`_Template.kill_adopted`) after each exit it
+reaps; when it ends it kills its instances first, then what they leave. Only a process that is still
+its instance's child runs on while the instance lives (as a thread the handler left running would).
+
 Frames on the pipes: a 4-byte little-endian length, then msgpack.
 """
 
@@ -39,6 +46,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 import traceback
 from collections.abc import Iterable
 from typing import Any
@@ -53,6 +61,8 @@ SPARE = "spare"
 
 _LEN = struct.Struct("<I")
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+END_KILL_ROUNDS = 50  # at the template's end: kill, reap, look again (what they leave is adopted too)
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 HUGE = 2 << 20
@@ -102,6 +112,31 @@ def die_with_parent(signum: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `signum` to this process when its parent exits (Linux)."""
     with contextlib.suppress(OSError, AttributeError):
         _libc().prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+
+def become_subreaper() -> bool:
+    """Adopt the orphans of this process's descendants (Linux >= 3.4), so they can be ended here."""
+    try:
+        return _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def child_pids(parent: int) -> list[int]:
+    """The pids whose parent is `parent`, read from /proc (orphans adopted by a subreaper included)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after the command, which may hold spaces
+        if int(fields[1]) == parent:
+            pids.append(int(entry.name))
+    return pids
 
 
 def collapse_heap() -> int:
@@ -232,16 +267,49 @@ class _Template:
         self.cmd_fd, self.evt_fd, self.assign = cmd_fd, evt_fd, assign
         self.workflow, self.handlers = workflow, handlers
         self.me = os.getpid()
+        self.forked: set[int] = set()  # its instances and spares; any other child was adopted
 
     def reap(self, signum: int, frame: Any) -> None:
+        ended = False
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                break
             if pid == 0:
+                break
+            if pid in self.forked:
+                self.forked.discard(pid)
+                ended = True
+                write_frame(self.evt_fd, [EXITED, pid, status])
+        if ended:  # what an instance left behind is the template's child now
+            self.kill_adopted()
+
+    def kill_adopted(self, *, everyone: bool = False) -> int:
+        """SIGKILL every child that is no instance or spare of this template (see the module doc), or
+        every child (`everyone`); returns how many."""
+        children = [pid for pid in child_pids(self.me) if everyone or pid not in self.forked]
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return len(children)
+
+    def end_children(self) -> None:
+        """At the template's end: kill its children, instances too (what they started would otherwise
+        outlive them), and reap them, until none is left (each may leave orphans of its own, adopted
+        in turn); bounded, as the template must exit."""
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for _ in range(END_KILL_ROUNDS):
+            if not self.kill_adopted(everyone=True):
                 return
-            write_frame(self.evt_fd, [EXITED, pid, status])
+            deadline = time.monotonic() + 0.1
+            while time.monotonic() < deadline:
+                try:
+                    pid, _ = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    return
+                if pid == 0:
+                    time.sleep(0.005)
 
     def fork_spare(self) -> None:
         assign = self.assign
@@ -256,6 +324,7 @@ class _Template:
                 _serve(instance_id, self.workflow, function, self.handlers[function], endpoint)
 
             _exit_child(body)
+        self.forked.add(pid)
         write_frame(self.evt_fd, [SPARE, pid])
 
     def fork_instance(self, instance_id: int, function: str, endpoint: dict[str, Any]) -> None:
@@ -265,6 +334,7 @@ class _Template:
             _setup_child(self.me, inherited)
             handler = self.handlers[function]
             _exit_child(lambda: _serve(instance_id, self.workflow, function, handler, endpoint))
+        self.forked.add(pid)
         write_frame(self.evt_fd, [FORKED, instance_id, pid])
 
     def run(self, spares: int, collapsed: int) -> None:
@@ -276,6 +346,7 @@ class _Template:
         while True:
             request = read_frame(self.cmd_fd)
             if request is None:  # the proxy closed the pipe: done
+                self.end_children()
                 return
             with _sigchld_blocked():
                 if request != [SPARE]:
@@ -289,6 +360,7 @@ def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
     # stops and kills it); its forked instances take Ctrl-C back (`_setup_child`).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
+    become_subreaper()
     config = read_frame(cmd_fd)
     if config is None:
         return

@@ -100,6 +100,24 @@ HANDLERS = textwrap.dedent(
         os._exit(3)
 
     @streambox.function
+    def spawner(ctx, event):  # starts a process that would outlive its instance, then crashes
+        child = os.fork()
+        if child == 0:
+            if event.get("detach"):  # a daemon: its own session, and its parent gone at once
+                os.setsid()
+                if os.fork():
+                    os._exit(0)
+            with open(event["pid_file"], "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(120)
+            os._exit(0)
+        while not os.path.exists(event["pid_file"]):
+            time.sleep(0.01)
+        if event.get("stay"):  # the instance stays warm; its child runs on meanwhile
+            return child
+        os._exit(1)
+
+    @streambox.function
     def sigkill(ctx, event):
         ctx.alloc(1 << 20)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -234,6 +252,7 @@ FUNCTIONS = (
     ProxyFunction("boom", "proxy_test_handlers:boom"),
     ProxyFunction("crash", "proxy_test_handlers:crash"),
     ProxyFunction("sigkill", "proxy_test_handlers:sigkill"),
+    ProxyFunction("spawner", "proxy_test_handlers:spawner"),
     ProxyFunction("hang", "proxy_test_handlers:hang", timeout_ms=1500.0),
     ProxyFunction("foreign", "proxy_test_handlers:foreign"),
     ProxyFunction("not_json", "proxy_test_handlers:not_json"),
@@ -423,6 +442,46 @@ def test_a_failing_handler_fails_only_its_request(proxies, side, settled):
     assert stats["instances_died"] - baseline["instances_died"] == 3
     assert stats["failures"] - baseline["failures"] == 6
     assert stats["functions"]["hang"]["instances"] == 0
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_what_a_crashed_instance_started_ends_with_it(a, tmp_path, detach):
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(FunctionCrashed, match="exited with code 1"):
+        a.client.invoke("spawner", {"pid_file": str(pid_file), "detach": detach}, request_id="r-spawn")
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_what_a_warm_instance_started_ends_with_the_proxy(tmp_path):
+    (tmp_path / "proxy_test_handlers.py").write_text(HANDLERS)
+    config = ProxyConfig(
+        workflow="wfs", functions=(ProxyFunction("spawner", "proxy_test_handlers:spawner"),),
+        sys_path=(str(tmp_path),), state_dir=str(tmp_path / "state"), prefork=0,
+    )
+    proxy = launch_proxy(config)
+    try:
+        pid_file = tmp_path / "child.pid"
+        proxy.client.invoke("spawner", {"pid_file": str(pid_file), "stay": True}, request_id="r-stay")
+        child = int(pid_file.read_text())
+        assert _alive(child)  # its instance is warm: it runs on, as a thread the handler left would
+    finally:
+        proxy.stop()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
 
 
 def test_an_output_is_json_s_or_fails_its_own_request(a):
