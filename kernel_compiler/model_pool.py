@@ -4,15 +4,17 @@ Models are the zoo's and those registered here (``registry``: ``root/<name>@<ver
 alone meaning the latest version); ``entry`` resolves either kind.
 
 Layout: ``root/<model>/b<batch>_<d0>x<d1>x.../`` holding ``plan.json``, ``weights.safetensors`` and
-``memory_profile.json``. A plan directory is written under a temporary name beside its final place and
-renamed into place in one step, so a reader (another process included) sees either no plan or a whole
-one. Two processes lowering the same key at once both do the work; the first rename wins and the
-second discards its copy.
+``memory_profile.json``; a model's plans share one weights file (hard links, `share_weights`). A plan
+directory is written under a temporary name beside its final place and renamed into place in one
+step, so a reader (another process included) sees either no plan or a whole one. Two processes
+lowering the same key at once both do the work; the first rename wins and the second discards its
+copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import numbers
 import os
 import shutil
@@ -26,7 +28,7 @@ from . import model_lease, registry
 from .calibration import CALIBRATION_DIR
 from .lowering import lower_model
 from .memory_profile import MemoryProfile, profile_plan
-from .plan import PLAN_FILE, KernelPlan, StalePlan
+from .plan import PLAN_FILE, WEIGHTS_FILE, KernelPlan, StalePlan
 from .zoo import ZOO, ModelEntry, UnknownModelError
 
 PROFILE_FILE = "memory_profile.json"
@@ -107,6 +109,7 @@ class ModelPool:
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
             try:
                 plan.save(tmp)
+                share_weights(tmp, final.parent)
                 (tmp / PROFILE_FILE).write_text(profile_plan(plan).to_json())
                 _adopt_calibration(final.with_name(final.name + STALE_SUFFIX), tmp)
                 os.rename(tmp, final)
@@ -187,6 +190,24 @@ def _retire(final: Path) -> None:
     shutil.rmtree(stale, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.rename(final, stale)
+
+
+def share_weights(fresh: Path, model_dir: Path) -> Path | None:
+    """Make `fresh`'s weights file a hard link to an identical one of another plan of the model, if
+    there is one; returns that file. A model's weights do not depend on the batch or the input
+    shape, so without this every new (batch, shape) an `infer` meets stored a full copy on disk."""
+    mine = fresh / WEIGHTS_FILE
+    size = mine.stat().st_size
+    for other in sorted(model_dir.glob(f"*/{WEIGHTS_FILE}")):
+        if other.parent == fresh or other.parent.name.startswith(".") or other.stat().st_size != size:
+            continue
+        if other.stat().st_ino == mine.stat().st_ino or not filecmp.cmp(mine, other, shallow=False):
+            continue
+        linked = fresh / f".{WEIGHTS_FILE}.link"
+        os.link(other, linked)
+        os.replace(linked, mine)  # one step: the plan directory is not visible yet either way
+        return other
+    return None
 
 
 def _adopt_calibration(stale: Path, fresh: Path) -> None:

@@ -92,3 +92,15 @@ def test_a_plan_of_an_older_schema_is_lowered_again_keeping_its_calibration(tmp_
     assert plan.schema_version == SCHEMA_VERSION and len(lower.calls) == 2
     assert (path / CALIBRATION_DIR / "h100-80gb.json").read_text() == "{}"
     assert [p.name for p in (tmp_path / "espcn").iterdir()] == [path.name]  # nothing stale left
+
+
+def test_plans_of_one_model_share_its_weights_file(tmp_path: Path) -> None:
+    """Each new (batch, shape) used to store a full copy of the model's weights."""
+    pool = ModelPool(tmp_path)
+    keys = ((1, SHAPE), (2, SHAPE), (1, (3, 20, 20)))
+    plans = [pool.get_or_lower("espcn", batch, shape) for batch, shape in keys]
+    files = [pool.path_for("espcn", batch, shape) / "weights.safetensors" for batch, shape in keys]
+    assert len({f.stat().st_ino for f in files}) == 1 and files[0].stat().st_nlink == 3
+    for plan, path in zip(plans, [f.parent for f in files], strict=True):  # each still loads as written
+        loaded, wrote = KernelPlan.load(path).load_weights(), plan.load_weights()
+        assert loaded.keys() == wrote.keys() and all(loaded[k].equal(wrote[k]) for k in wrote)
