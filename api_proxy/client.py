@@ -14,6 +14,7 @@ tensor). One `Context` serves one thread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import os
@@ -417,6 +418,11 @@ def serve(
             except Exception as late:  # noqa: BLE001 - reported with the handler's own error
                 exc.add_note(f"also: {type(late).__name__}: {late}")
             reply = wire.pack([wire.RESULT, invocation_id, False, _failure(exc)])
+        except BaseException as exc:  # KeyboardInterrupt and the like: the caller is told, then it ends
+            with contextlib.suppress(Exception):
+                ctx._end()
+                channel.send(wire.pack([wire.RESULT, invocation_id, False, _failure(exc)]))
+            raise
         channel.send(reply)
 
 

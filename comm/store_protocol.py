@@ -121,7 +121,9 @@ def check_put_args(key: object, consumers: object) -> None:
     """A PUT's key (a non-empty string) and consumers (a positive int, or None)."""
     if not isinstance(key, str) or not key:
         raise ValueError(f"keys are non-empty strings, got {key!r}")
-    if consumers is not None and (not isinstance(consumers, int) or consumers < 1):
+    if consumers is not None and (  # True is an int, but no count
+        isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 1
+    ):
         raise ValueError(f"PUT {key!r}: consumers must be a positive int or None, got {consumers!r}")
 
 

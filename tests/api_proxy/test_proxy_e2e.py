@@ -95,6 +95,10 @@ HANDLERS = textwrap.dedent(
         raise ValueError("boom: " + event.get("msg", ""))
 
     @streambox.function
+    def interrupted(ctx, event):
+        raise KeyboardInterrupt("stop here")
+
+    @streambox.function
     def crash(ctx, event):
         ctx.alloc(1 << 20)
         os._exit(3)
@@ -196,6 +200,7 @@ HANDLERS = textwrap.dedent(
             lambda: ctx.alloc(16, shape=[2], dtype="float32"),
             lambda: ctx.alloc(6, dtype="float32"),
             lambda: ctx.put(ctx.key("c"), ctx.upload(torch.zeros(1)), consumers=2**70),
+            lambda: ctx.put(ctx.key("d"), ctx.upload(torch.zeros(1)), consumers=True).result(),
         )
         out = []
         for call in calls:
@@ -251,6 +256,7 @@ FUNCTIONS = (
     ProxyFunction("infer_then_upload", "proxy_test_handlers:infer_then_upload", models=("resnet18",)),
     ProxyFunction("boom", "proxy_test_handlers:boom"),
     ProxyFunction("crash", "proxy_test_handlers:crash"),
+    ProxyFunction("interrupted", "proxy_test_handlers:interrupted"),
     ProxyFunction("sigkill", "proxy_test_handlers:sigkill"),
     ProxyFunction("spawner", "proxy_test_handlers:spawner"),
     ProxyFunction("hang", "proxy_test_handlers:hang", timeout_ms=1500.0),
@@ -390,6 +396,7 @@ def test_a_get_timeout_must_be_finite_and_a_key_short(a):
         ["TypeError", "alloc takes nbytes or shape, one of the two"],
         ["ValueError", "alloc of 6 bytes: not a whole number of float32 (4 B)"],
         ["ValueError", f"PUT 'wfa/r-odd/c': consumers must be a positive int or None, got {2**70}"],
+        ["ValueError", "PUT 'wfa/r-odd/d': consumers must be a positive int or None, got True"],
     ]
 
 
@@ -482,6 +489,13 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def test_a_handler_s_keyboard_interrupt_reaches_its_caller_then_the_instance_ends(a):
+    """It used to end the instance with nothing but "exited with code 1" for the caller."""
+    with pytest.raises(FunctionFailed, match="KeyboardInterrupt: stop here"):
+        a.client.invoke("interrupted", {}, request_id="r-int")
+    assert a.client.invoke("noop", {}, request_id="r-int-after")["output"]["request"] == "r-int-after"
 
 
 def test_an_output_is_json_s_or_fails_its_own_request(a):
