@@ -30,6 +30,7 @@ from . import wire
 from .channel import ClientChannel
 from .errors import ChannelClosed, FunctionFailed, ProxyError, decode_error
 from .handles import DTYPES, Handle, handle_in_json, qualify_key, request_key
+from .host_memory import limit_host_memory, out_of_host_memory
 
 if TYPE_CHECKING:
     import torch
@@ -394,8 +395,13 @@ def serve(
     workflow: str,
     function: str,
     handler: Callable[[ProxyContext, Any], Any],
+    host_memory_mb: int | None = None,
 ) -> None:
-    """An instance's life: register, then run invocations until told to stop."""
+    """An instance's life: register, then run invocations until told to stop (the proxy stops it after
+    an invocation that ran out of the `host_memory_mb` it may allocate beyond the template's heap:
+    `host_memory`)."""
+    if host_memory_mb is not None:
+        limit_host_memory(host_memory_mb << 20)
     client = Client(channel)
     channel.send(wire.pack([wire.HELLO, instance_id, os.getpid()]))
     while True:
@@ -417,7 +423,14 @@ def serve(
                 client.flush()
             except Exception as late:  # noqa: BLE001 - reported with the handler's own error
                 exc.add_note(f"also: {type(late).__name__}: {late}")
-            reply = wire.pack([wire.RESULT, invocation_id, False, _failure(exc)])
+            failure = _failure(exc)
+            if host_memory_mb is not None and out_of_host_memory(exc):  # the proxy stops this instance
+                note = (
+                    f"{function}: an instance may allocate {host_memory_mb} MiB of host memory beyond its "
+                    "warm template's (host_memory_mb); this one is stopped, the next request gets a fresh one"
+                )
+                failure = [failure[0], f"{failure[1]}\n{note}", f"{failure[2]}{note}\n", wire.RETIRE]
+            reply = wire.pack([wire.RESULT, invocation_id, False, failure])
         except BaseException as exc:  # KeyboardInterrupt and the like: the caller is told, then it ends
             with contextlib.suppress(Exception):
                 ctx._end()

@@ -22,6 +22,9 @@ MAX_TIMEOUT_MS = 86_400_000.0  # a day: a longer limit is a typo, not a plan
 DEFAULT_MAX_INSTANCES = 4
 MAX_BATCH_SIZE = 64  # plans for every batch size up to it are prepared at deploy
 MAX_QUEUE_DELAY_MS = 10_000.0
+#: Host memory an instance may allocate beyond what its warm template holds (torch's heap, the
+#: handlers' modules): a generous default for image pre-processing, a bound for a leak.
+DEFAULT_HOST_MEMORY_MB = 4096
 
 
 class StrictModel(BaseModel):
@@ -50,6 +53,10 @@ class FunctionSpec(StrictModel):
     )
     gpu_percent: int | None = Field(
         None, ge=1, le=100, description="share of the GPU's compute units its kernels use (GPU%)"
+    )
+    host_memory_mb: int = Field(
+        DEFAULT_HOST_MEMORY_MB, ge=64, le=1 << 20,
+        description="host memory (MiB) one instance may allocate beyond its warm template's",
     )
     params: dict[str, JsonValue] = Field(
         default_factory=dict, description="given to the handler in the event: JSON values only"

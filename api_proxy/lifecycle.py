@@ -161,6 +161,7 @@ class Lifecycle:
             if inst.invocation is not inv:
                 return  # the instance died meanwhile; the request has been failed already
             ok, value = result.ok, result.value
+            retire = not ok and value[3:4] == [wire.RETIRE]
             if not ok:
                 kind, message, text = [*value, "", "", ""][:3]
                 where = f"(function {inv.function!r}, request {inv.request_id!r})"
@@ -172,7 +173,10 @@ class Lifecycle:
             self.resources.end_invocation(inv, inst, end)
             inst.invocation = None
             self.reply(inv, ok, value)
-            self._instance_free(inst)
+            if retire:
+                self._stop_instance(inst, _now())
+            else:
+                self._instance_free(inst)
 
         self.calls.complete(inst, end, finished)
 
@@ -358,11 +362,14 @@ class Lifecycle:
                 fields = {"error_type": "FunctionTimeout", "message": str(error), **self._where(inv)}
                 self.reply(inv, False, encode_error(with_fields(error, **fields)))
             elif isinstance(action, Stop):
-                inst = self.supervisor.instances[action.instance]  # type: ignore[index]
-                inst.state = "stopping"
-                inst.deadline = now + self.STOP_GRACE_S
-                self.server.transport.send(inst.id, wire.pack([wire.STOP]))
+                self._stop_instance(self.supervisor.instances[action.instance], now)  # type: ignore[index]
         return n
+
+    def _stop_instance(self, inst: Instance, now: float) -> None:
+        """Ask an instance with no invocation to end (its exit drops it, `template_events`)."""
+        inst.state = "stopping"
+        inst.deadline = now + self.STOP_GRACE_S
+        self.server.transport.send(inst.id, wire.pack([wire.STOP]))
 
     def _overdue(self, inst: Instance, now: float) -> tuple[str, type[ProxyError]] | None:
         if inst.state == "starting" and now >= inst.deadline:

@@ -80,6 +80,7 @@ class Supervisor:
             {
                 "workflow": cfg.workflow,
                 "functions": {f.name: f.handler for f in cfg.functions},
+                "host_memory_mb": {f.name: f.host_memory_mb for f in cfg.functions},
                 "sys_path": list(cfg.sys_path),
                 "preload": list(cfg.preload),
                 "instance_threads": cfg.instance_threads,

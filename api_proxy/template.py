@@ -200,11 +200,21 @@ def _setup_child(template_pid: int, close: list[int]) -> None:
         os._exit(1)
 
 
-def _serve(instance_id: int, workflow: str, function: str, handler: Any, endpoint: dict[str, Any]) -> None:
+def _serve(
+    instance_id: int,
+    workflow: str,
+    function: str,
+    handler: Any,
+    endpoint: dict[str, Any],
+    memory_mb: int | None,
+) -> None:
     from .channel import connect
     from .client import serve
 
-    serve(connect(endpoint), instance_id=instance_id, workflow=workflow, function=function, handler=handler)
+    serve(
+        connect(endpoint), instance_id=instance_id, workflow=workflow, function=function, handler=handler,
+        host_memory_mb=memory_mb,
+    )
 
 
 def _exit_child(body: Any) -> None:
@@ -263,9 +273,17 @@ class _Template:
     """The template's loop: fork spares and instances on the proxy's commands, report them and
     their exits on the event pipe."""
 
-    def __init__(self, cmd_fd: int, evt_fd: int, assign: socket.socket | None, workflow: str, handlers: Any):
+    def __init__(
+        self,
+        cmd_fd: int,
+        evt_fd: int,
+        assign: socket.socket | None,
+        config: dict[str, Any],
+        handlers: dict[str, Any],
+    ):
         self.cmd_fd, self.evt_fd, self.assign = cmd_fd, evt_fd, assign
-        self.workflow, self.handlers = workflow, handlers
+        self.workflow, self.handlers = config["workflow"], handlers
+        self.memory_mb: dict[str, int] = config.get("host_memory_mb", {})  # per function
         self.me = os.getpid()
         self.forked: set[int] = set()  # its instances and spares; any other child was adopted
 
@@ -321,7 +339,8 @@ class _Template:
 
             def body() -> None:
                 instance_id, function, endpoint = _spare_wait(assign)
-                _serve(instance_id, self.workflow, function, self.handlers[function], endpoint)
+                handler, memory = self.handlers[function], self.memory_mb.get(function)
+                _serve(instance_id, self.workflow, function, handler, endpoint, memory)
 
             _exit_child(body)
         self.forked.add(pid)
@@ -332,8 +351,8 @@ class _Template:
         if pid == 0:
             inherited = [self.cmd_fd, self.evt_fd] + ([self.assign.fileno()] if self.assign else [])
             _setup_child(self.me, inherited)
-            handler = self.handlers[function]
-            _exit_child(lambda: _serve(instance_id, self.workflow, function, handler, endpoint))
+            handler, memory = self.handlers[function], self.memory_mb.get(function)
+            _exit_child(lambda: _serve(instance_id, self.workflow, function, handler, endpoint, memory))
         self.forked.add(pid)
         write_frame(self.evt_fd, [FORKED, instance_id, pid])
 
@@ -374,7 +393,7 @@ def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
     gc.freeze()
     collapsed = collapse_heap() if config.get("huge_pages", True) else 0
     spares = int(config.get("prefork", 0)) if assign is not None else 0
-    _Template(cmd_fd, evt_fd, assign, config["workflow"], handlers).run(spares, collapsed)
+    _Template(cmd_fd, evt_fd, assign, config, handlers).run(spares, collapsed)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,10 @@ STOP = 6
 
 KINDS = {CALL: "CALL", REPLY: "REPLY", INVOKE: "INVOKE", RESULT: "RESULT", HELLO: "HELLO", STOP: "STOP"}
 
+#: After a failed RESULT's [type, message, traceback]: the instance asks to be stopped once the
+#: invocation is finished (it ran out of its host memory: a leak would fail every later request).
+RETIRE = "retire"
+
 
 _local = threading.local()
 

@@ -17,6 +17,7 @@ The schema (every key is checked; unknown keys are errors)::
         max_instances: 4          # at most this many invocations of it run at once
         timeout_ms: 10000         # optional: one invocation's limit
         gpu_percent: 50           # optional: its kernels use at most this share of the GPU's units
+        host_memory_mb: 4096      # optional: host memory one instance may allocate past its template's
         params: {image_size: 320} # optional: handed to the handler as event["params"]
     edges:
       - {from: detect, to: face, select: people, fan_out: true}   # max_items: 1000 (at most 100000)

@@ -94,6 +94,13 @@ HANDLERS = textwrap.dedent(
             raise SystemExit(event["exit"])
         raise ValueError("boom: " + event.get("msg", ""))
 
+    HELD: list = []
+
+    @streambox.function
+    def hog(ctx, event):  # keeps what it allocates across invocations: a leak
+        HELD.append(bytearray(event["mib"] << 20))
+        return {"pid": os.getpid(), "held_mib": sum(len(b) for b in HELD) >> 20}
+
     @streambox.function
     def interrupted(ctx, event):
         raise KeyboardInterrupt("stop here")
@@ -257,6 +264,7 @@ FUNCTIONS = (
     ProxyFunction("boom", "proxy_test_handlers:boom"),
     ProxyFunction("crash", "proxy_test_handlers:crash"),
     ProxyFunction("interrupted", "proxy_test_handlers:interrupted"),
+    ProxyFunction("hog", "proxy_test_handlers:hog", host_memory_mb=256),
     ProxyFunction("sigkill", "proxy_test_handlers:sigkill"),
     ProxyFunction("spawner", "proxy_test_handlers:spawner"),
     ProxyFunction("hang", "proxy_test_handlers:hang", timeout_ms=1500.0),
@@ -496,6 +504,16 @@ def test_a_handler_s_keyboard_interrupt_reaches_its_caller_then_the_instance_end
     with pytest.raises(FunctionFailed, match="KeyboardInterrupt: stop here"):
         a.client.invoke("interrupted", {}, request_id="r-int")
     assert a.client.invoke("noop", {}, request_id="r-int-after")["output"]["request"] == "r-int-after"
+
+
+def test_an_instance_s_host_memory_is_bounded(a):
+    """A handler that leaked grew its instance without bound, into the proxy's and the others' memory."""
+    first = a.client.invoke("hog", {"mib": 100}, request_id="r-hog-1")["output"]
+    assert first["held_mib"] == 100
+    with pytest.raises(FunctionFailed, match=r"MemoryError(.|\n)*256 MiB of host memory beyond"):
+        a.client.invoke("hog", {"mib": 200}, request_id="r-hog-2")
+    again = a.client.invoke("hog", {"mib": 100}, request_id="r-hog-3")["output"]
+    assert again["held_mib"] == 100 and again["pid"] != first["pid"]  # a fresh instance, its leak gone
 
 
 def test_an_output_is_json_s_or_fails_its_own_request(a):

@@ -44,7 +44,7 @@ def test_unknown_key_suggests_the_right_one():
     assert errors(text) == [
         "demo.yaml:6:5: functions.a.batchsize: unknown key; did you mean 'batch_size'? "
         "(allowed keys: handler, models, batch_size, max_instances, max_batch_size, max_queue_delay_ms, "
-        "timeout_ms, gpu_percent, params)"
+        "timeout_ms, gpu_percent, host_memory_mb, params)"
     ]
 
 
