@@ -53,6 +53,8 @@ from typing import Any
 
 import msgpack
 
+from .instance_output import capture_output, drain_output
+
 FORKED = "forked"
 EXITED = "exited"
 READY = "ready"
@@ -211,6 +213,7 @@ def _serve(
     from .channel import connect
     from .client import serve
 
+    capture_output(f"{workflow}/{function}#{instance_id}")
     serve(
         connect(endpoint), instance_id=instance_id, workflow=workflow, function=function, handler=handler,
         host_memory_mb=memory_mb,
@@ -227,6 +230,7 @@ def _exit_child(body: Any) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        drain_output()
         os._exit(code)
 
 
