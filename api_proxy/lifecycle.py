@@ -30,6 +30,7 @@ from .errors import (
     encode_error,
     with_fields,
 )
+from .idle_cpu import IDLE_CPU_BUDGET_S, IDLE_CPU_CHECK_S, cpu_seconds
 from .scheduler import Dispatch, Expire, InvocationScheduler, Start, Stop
 from .state import Instance, Invocation, ProxyStats
 
@@ -56,6 +57,7 @@ class Lifecycle:
         )
         self._inv_ids = 0
         self._retiring: list[Stream] = []  # streams of dropped instances, destroyed once retired
+        self._next_idle_cpu = 0.0  # when instances' CPU is sampled next (`idle_cpu.py`)
 
     # -- invocations ---------------------------------------------------------------------------
     def invoke(self, route: bytes, call_id: int, args: dict[str, Any], now: float) -> None:
@@ -140,6 +142,7 @@ class Lifecycle:
         inv.deadline = now + inv.limit
         inst.invocation = inv
         inst.state = "busy"
+        inst.dispatched += 1
         self.server.transport.send(inst.id, wire.pack([wire.INVOKE, inv.id, inv.request_id, inv.event]))
 
     def on_result(self, inst: Instance, result: protocol.Result) -> None:
@@ -347,7 +350,7 @@ class Lifecycle:
     def timers(self, now: float) -> int:
         if self._retiring:
             self.retire_streams(0.0)
-        n = 0
+        n = self._stop_idle_cpu(now) if now >= self._next_idle_cpu else 0
         for inst in list(self.supervisor.instances.values()):
             why = self._overdue(inst, now)
             if why is not None:
@@ -363,6 +366,27 @@ class Lifecycle:
                 self.reply(inv, False, encode_error(with_fields(error, **fields)))
             elif isinstance(action, Stop):
                 self._stop_instance(self.supervisor.instances[action.instance], now)  # type: ignore[index]
+        return n
+
+    def _stop_idle_cpu(self, now: float) -> int:
+        """Sample the instances' CPU; stop the idle ones past their idle-CPU budget (`idle_cpu.py`)."""
+        self._next_idle_cpu = now + IDLE_CPU_CHECK_S
+        n = 0
+        for inst in list(self.supervisor.instances.values()):
+            cpu = cpu_seconds(inst.pid) if inst.pid is not None else None
+            if cpu is None or inst.state in ("starting", "stopping", "dead"):
+                continue
+            inst.idle_cpu.observe(cpu, inst.dispatched, inst.state == "idle")
+            if inst.state == "idle" and inst.idle_cpu.over_budget():
+                log.warning(
+                    "instance %d of function %r used %.1f CPU-s while serving nothing (a thread or process "
+                    "its handler left running; at most %g s): stopped",
+                    inst.id, inst.spec.name, inst.idle_cpu.used_s, IDLE_CPU_BUDGET_S,
+                )
+                self.stats.idle_cpu_stops += 1
+                self.scheduler.retire(inst.spec.name, inst.id)
+                self._stop_instance(inst, now)
+                n += 1
         return n
 
     def _stop_instance(self, inst: Instance, now: float) -> None:

@@ -114,6 +114,10 @@ class InvocationScheduler:
             starts.append(self._start(function, queue.popleft(), now))
         return starts
 
+    def retire(self, function: str, instance: Hashable) -> None:
+        """Choose idle `instance` no more: the proxy stops it (its exit's `removed` starts what waits)."""
+        self.pools[function].remove(instance)
+
     def tick(self, now: float) -> list[Expire | Stop]:
         """Queued invocations past their deadline (oldest first), then idle instances to stop."""
         actions: list[Expire | Stop] = []

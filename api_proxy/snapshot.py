@@ -33,6 +33,7 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
         "instances_started": s.instances_started,
         "instances_stopped": s.instances_stopped,
         "instances_died": s.instances_died,
+        "idle_cpu_stops": s.idle_cpu_stops,
         "protocol_errors": s.protocol_errors,
         "calls": s.calls,
         "cold_start_s": s.cold_start_s[-256:],

@@ -10,6 +10,7 @@ from streambox.device import Stream
 from streambox.phases import PhaseClock
 
 from .function_spec import ProxyFunction
+from .idle_cpu import IdleCpu
 
 
 @dataclass(eq=False)
@@ -51,6 +52,8 @@ class Instance:
     refill: bool = False  # it took a pre-forked spare: ask for a new one after its first request
     held: deque[Any] | None = None  # a call waits off the dispatcher: its later messages, in order
     issue: Any = None  # the `issuer.IssueTicket` of its plan being issued off the dispatcher, if any
+    dispatched: int = 0  # invocations sent to it
+    idle_cpu: IdleCpu = field(default_factory=IdleCpu)  # CPU it used while serving nothing
 
     @property
     def key(self) -> str:
@@ -65,6 +68,7 @@ class ProxyStats:
     instances_started: int = 0
     instances_stopped: int = 0
     instances_died: int = 0
+    idle_cpu_stops: int = 0  # instances stopped for the CPU they used while idle (`idle_cpu.py`)
     calls: int = 0
     protocol_errors: int = 0  # instances ended for a malformed message
     cold_start_s: list[float] = field(default_factory=list)  # fork + stream + registration, recent

@@ -102,6 +102,15 @@ HANDLERS = textwrap.dedent(
         return {"pid": os.getpid(), "held_mib": sum(len(b) for b in HELD) >> 20}
 
     @streambox.function
+    def spinner(ctx, event):  # leaves a thread burning CPU after it returns
+        def spin():
+            while True:
+                pass
+
+        threading.Thread(target=spin, daemon=True).start()
+        return {"pid": os.getpid()}
+
+    @streambox.function
     def interrupted(ctx, event):
         raise KeyboardInterrupt("stop here")
 
@@ -264,6 +273,7 @@ FUNCTIONS = (
     ProxyFunction("boom", "proxy_test_handlers:boom"),
     ProxyFunction("crash", "proxy_test_handlers:crash"),
     ProxyFunction("interrupted", "proxy_test_handlers:interrupted"),
+    ProxyFunction("spinner", "proxy_test_handlers:spinner"),
     ProxyFunction("hog", "proxy_test_handlers:hog", host_memory_mb=256),
     ProxyFunction("sigkill", "proxy_test_handlers:sigkill"),
     ProxyFunction("spawner", "proxy_test_handlers:spawner"),
@@ -514,6 +524,17 @@ def test_an_instance_s_host_memory_is_bounded(a):
         a.client.invoke("hog", {"mib": 200}, request_id="r-hog-2")
     again = a.client.invoke("hog", {"mib": 100}, request_id="r-hog-3")["output"]
     assert again["held_mib"] == 100 and again["pid"] != first["pid"]  # a fresh instance, its leak gone
+
+
+def test_an_instance_burning_cpu_while_idle_is_stopped(a, settled):
+    """A thread a handler left spinning took a core between invocations, with no timeout to end it."""
+    before = a.client.stats()["idle_cpu_stops"]
+    first = a.client.invoke("spinner", {}, request_id="r-spin")["output"]["pid"]
+    settled(a.client, lambda s: s["idle_cpu_stops"] > before, timeout=30.0)
+    deadline = time.monotonic() + 10
+    while _alive(first) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(first)
 
 
 def test_an_output_is_json_s_or_fails_its_own_request(a):
