@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from streambox.device.procfs import stat_fields
+
 IDLE_CPU_BUDGET_S = 2.0  # CPU seconds an instance may use while idle, summed over its idle spans
 IDLE_CPU_CHECK_S = 1.0  # how often the proxy samples
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -24,13 +26,8 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process `pid` (all its threads); None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2 :].split()  # after the command, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+    fields = stat_fields(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
 
 
 @dataclass

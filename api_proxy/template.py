@@ -53,6 +53,8 @@ from typing import Any
 
 import msgpack
 
+from streambox.device.procfs import stat_fields
+
 from .instance_output import capture_output, drain_output
 
 FORKED = "forked"
@@ -128,16 +130,10 @@ def child_pids(parent: int) -> list[int]:
     """The pids whose parent is `parent`, read from /proc (orphans adopted by a subreaper included)."""
     pids = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()  # after the command, which may hold spaces
-        if int(fields[1]) == parent:
-            pids.append(int(entry.name))
+        if entry.name.isdigit():
+            fields = stat_fields(int(entry.name))  # None: gone meanwhile
+            if fields is not None and int(fields[1]) == parent:
+                pids.append(int(entry.name))
     return pids
 
 

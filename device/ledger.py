@@ -42,6 +42,7 @@ from pathlib import Path
 from .base import DeviceError, OutOfDeviceMemory
 from .gpu_schedule import Placed
 from .link_share import Flow, advance, finish_times
+from .procfs import stat_fields
 
 _MAGIC = b"SBXLEDG1"
 _VERSION = 4
@@ -105,12 +106,9 @@ def ledger_path(state_dir: Path, index: int, name: str, total_memory: int) -> Pa
 
 def _process_start_time(pid: int) -> int | None:
     """Field 22 of /proc/<pid>/stat (clock ticks since boot), None if unknown; -1 for a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
+    fields = stat_fields(pid)
+    if fields is None:
         return None
-    fields = raw[raw.rfind(b")") + 2 :].split()
     if fields and fields[0] in (b"Z", b"X"):
         return -1
     try:
