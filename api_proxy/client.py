@@ -434,8 +434,9 @@ def serve(
         except BaseException as exc:  # KeyboardInterrupt and the like: the caller is told, then it ends
             with contextlib.suppress(Exception):
                 ctx._end()
-                channel.send(wire.pack([wire.RESULT, invocation_id, False, _failure(exc)]))
-            raise
+            # Retired rather than exiting here: the proxy replies once the invocation's device work
+            # is done, and an exit before that would fail the request as a crash.
+            reply = wire.pack([wire.RESULT, invocation_id, False, [*_failure(exc), wire.RETIRE]])
         channel.send(reply)
 
 

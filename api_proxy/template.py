@@ -55,7 +55,7 @@ import msgpack
 
 from streambox.device.procfs import stat_fields
 
-from .instance_output import capture_output, drain_output
+from .instance_output import OutputForwarder, adopt_pipes, label_line
 
 FORKED = "forked"
 EXITED = "exited"
@@ -209,7 +209,6 @@ def _serve(
     from .channel import connect
     from .client import serve
 
-    capture_output(f"{workflow}/{function}#{instance_id}")
     serve(
         connect(endpoint), instance_id=instance_id, workflow=workflow, function=function, handler=handler,
         host_memory_mb=memory_mb,
@@ -224,9 +223,9 @@ def _exit_child(body: Any) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        drain_output()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # None, or closed
+                stream.flush()
         os._exit(code)
 
 
@@ -286,6 +285,12 @@ class _Template:
         self.memory_mb: dict[str, int] = config.get("host_memory_mb", {})  # per function
         self.me = os.getpid()
         self.forked: set[int] = set()  # its instances and spares; any other child was adopted
+        self.output = OutputForwarder()  # what the children print, labelled and bounded
+        # While a child is being forked (`_forking`), `reap` (a signal handler: it may run between
+        # the fork and the pid's `forked.add`) kills nothing and keeps the exits of unknown pids.
+        self._forking = False
+        self._early: dict[int, int] = {}  # pid -> status, reaped while forking
+        self._kill_due = False
 
     def reap(self, signum: int, frame: Any) -> None:
         ended = False
@@ -300,8 +305,46 @@ class _Template:
                 self.forked.discard(pid)
                 ended = True
                 write_frame(self.evt_fd, [EXITED, pid, status])
+            elif self._forking:  # perhaps the child being forked, not added yet
+                self._early[pid] = status
         if ended:  # what an instance left behind is the template's child now
-            self.kill_adopted()
+            if self._forking:
+                self._kill_due = True
+            else:
+                self.kill_adopted()
+
+    @contextlib.contextmanager
+    def _fork_guard(self) -> Any:
+        """Around a fork and the pid's `forked.add`: then the exits and kills `reap` held back."""
+        self._forking = True
+        try:
+            yield
+        finally:
+            self._forking = False
+            early, self._early = self._early, {}
+            for pid, status in early.items():
+                if pid in self.forked:
+                    self.forked.discard(pid)
+                    write_frame(self.evt_fd, [EXITED, pid, status])
+            if self._kill_due or early:
+                self._kill_due = False
+                self.kill_adopted()
+
+    def _fork(self, label: str | None) -> int:
+        """Fork a child with its own output pipes (`instance_output`); `label` names its output (a
+        spare names itself once assigned)."""
+        pipes = self.output.pipes()
+        pid = os.fork()
+        if pid == 0:
+            close = [self.cmd_fd, self.evt_fd, *self.output.fds()]
+            if self.assign is not None and label is not None:  # an instance: no spare's socket
+                close.append(self.assign.fileno())
+            _setup_child(self.me, close)
+            adopt_pipes(pipes)
+            return 0
+        self.forked.add(pid)
+        self.output.add(pipes, label or f"{self.workflow}/spare-{pid}")
+        return pid
 
     def kill_adopted(self, *, everyone: bool = False) -> int:
         """SIGKILL every child that is no instance or spare of this template (see the module doc), or
@@ -318,43 +361,35 @@ class _Template:
         in turn); bounded, as the template must exit."""
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for _ in range(END_KILL_ROUNDS):
-            if not self.kill_adopted(everyone=True):
-                return
-            deadline = time.monotonic() + 0.1
-            while time.monotonic() < deadline:
-                try:
-                    pid, _ = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    return
-                if pid == 0:
-                    time.sleep(0.005)
+            if not self.kill_adopted(everyone=True) or not _reap_for(0.1):
+                break
+        self.output.drain()  # their last lines
 
     def fork_spare(self) -> None:
         assign = self.assign
         assert assign is not None
-        pid = os.fork()
-        if pid == 0:
-            _setup_child(self.me, [self.cmd_fd, self.evt_fd])
-            _warm_up()
+        with self._fork_guard():
+            pid = self._fork(None)
+            if pid == 0:
+                _warm_up()
 
-            def body() -> None:
-                instance_id, function, endpoint = _spare_wait(assign)
-                handler, memory = self.handlers[function], self.memory_mb.get(function)
-                _serve(instance_id, self.workflow, function, handler, endpoint, memory)
+                def body() -> None:
+                    instance_id, function, endpoint = _spare_wait(assign)
+                    with contextlib.suppress(OSError):  # names its output (`instance_output`)
+                        os.write(1, label_line(f"{self.workflow}/{function}#{instance_id}").encode())
+                    handler, memory = self.handlers[function], self.memory_mb.get(function)
+                    _serve(instance_id, self.workflow, function, handler, endpoint, memory)
 
-            _exit_child(body)
-        self.forked.add(pid)
-        write_frame(self.evt_fd, [SPARE, pid])
+                _exit_child(body)
+            write_frame(self.evt_fd, [SPARE, pid])
 
     def fork_instance(self, instance_id: int, function: str, endpoint: dict[str, Any]) -> None:
-        pid = os.fork()
-        if pid == 0:
-            inherited = [self.cmd_fd, self.evt_fd] + ([self.assign.fileno()] if self.assign else [])
-            _setup_child(self.me, inherited)
-            handler, memory = self.handlers[function], self.memory_mb.get(function)
-            _exit_child(lambda: _serve(instance_id, self.workflow, function, handler, endpoint, memory))
-        self.forked.add(pid)
-        write_frame(self.evt_fd, [FORKED, instance_id, pid])
+        with self._fork_guard():
+            pid = self._fork(f"{self.workflow}/{function}#{instance_id}")
+            if pid == 0:
+                handler, memory = self.handlers[function], self.memory_mb.get(function)
+                _exit_child(lambda: _serve(instance_id, self.workflow, function, handler, endpoint, memory))
+            write_frame(self.evt_fd, [FORKED, instance_id, pid])
 
     def run(self, spares: int, collapsed: int) -> None:
         signal.signal(signal.SIGCHLD, self.reap)
@@ -394,6 +429,19 @@ def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
     collapsed = collapse_heap() if config.get("huge_pages", True) else 0
     spares = int(config.get("prefork", 0)) if assign is not None else 0
     _Template(cmd_fd, evt_fd, assign, config, handlers).run(spares, collapsed)
+
+
+def _reap_for(seconds: float) -> bool:
+    """Reap exited children for `seconds`; False once there is no child left."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            time.sleep(0.005)
+    return True
 
 
 @contextlib.contextmanager

@@ -27,31 +27,48 @@ def test_lines_are_labelled_cut_and_dropped_past_the_rate_with_a_notice() -> Non
     assert cut == b"y" * MAX_LINE_BYTES + b"... (5 more bytes of this line cut)\n"
 
 
-CHILD = textwrap.dedent(
+TEMPLATE = textwrap.dedent(
     """
     import os, sys, time
-    from streambox.api_proxy.instance_output import capture_output, drain_output
-    capture_output("wf/fn#7")
-    print("hello")
-    sys.stdout.flush()
-    os.system("echo from-a-subprocess")
-    sys.stderr.write("to stderr\\n")
-    for _ in range(5000):  # 5 MB in a burst
-        print("z" * 999)
-    sys.stdout.flush()
-    time.sleep(0.2)
-    print("after the flood")
-    drain_output()
-    os._exit(0)
+    from streambox.api_proxy.instance_output import OutputForwarder, adopt_pipes, label_line
+    forwarder = OutputForwarder()
+
+    def fork(label, body):
+        pipes = forwarder.pipes()
+        pid = os.fork()
+        if pid == 0:
+            adopt_pipes(pipes)
+            body()
+        forwarder.add(pipes, label)
+        os.waitpid(pid, 0)
+
+    def chatty():
+        print("hello")
+        os.system("echo from-a-subprocess")
+        sys.stderr.write("to stderr\\n")
+        for _ in range(5000):  # 5 MB in a burst
+            print("z" * 999)
+        time.sleep(0.2)
+        print("after the flood")
+        os._exit(0)
+
+    def spare():  # named once assigned, then crashes without flushing anything itself
+        os.write(1, label_line("wf/late#9").encode())
+        os.write(2, b"last words before a crash\\n")
+        os._exit(3)
+
+    fork("wf/fn#7", chatty)
+    fork("wf/spare-1", spare)
+    forwarder.drain()
     """
 )
 
 
-def test_an_instance_s_output_through_real_pipes_is_labelled_and_bounded() -> None:
-    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, timeout=60, check=True)
+def test_children_s_output_is_labelled_bounded_and_outlives_them() -> None:
+    done = subprocess.run([sys.executable, "-c", TEMPLATE], capture_output=True, timeout=60, check=True)
     out, err = done.stdout.decode(), done.stderr.decode()
     assert out.startswith("[wf/fn#7] hello\n[wf/fn#7] from-a-subprocess\n")
-    assert err == "[wf/fn#7] to stderr\n"
+    assert err == "[wf/fn#7] to stderr\n[wf/late#9] last words before a crash\n"
     assert len(done.stdout) < BURST_BYTES + (64 << 10)  # of 5 MB, about the burst got through
     assert "bytes of output dropped: an instance writes at most 1024 KiB at once and 64 KiB/s" in out
     assert out.endswith("[wf/fn#7] after the flood\n")

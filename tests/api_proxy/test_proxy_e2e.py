@@ -110,8 +110,9 @@ HANDLERS = textwrap.dedent(
         threading.Thread(target=spin, daemon=True).start()
         return {"pid": os.getpid()}
 
-    @streambox.function
+    @streambox.function(models=["resnet18"])
     def interrupted(ctx, event):
+        ctx.infer("resnet18", _input(3))  # its device work still runs when the handler ends
         raise KeyboardInterrupt("stop here")
 
     @streambox.function
@@ -272,7 +273,7 @@ FUNCTIONS = (
     ProxyFunction("infer_then_upload", "proxy_test_handlers:infer_then_upload", models=("resnet18",)),
     ProxyFunction("boom", "proxy_test_handlers:boom"),
     ProxyFunction("crash", "proxy_test_handlers:crash"),
-    ProxyFunction("interrupted", "proxy_test_handlers:interrupted"),
+    ProxyFunction("interrupted", "proxy_test_handlers:interrupted", models=("resnet18",)),
     ProxyFunction("spinner", "proxy_test_handlers:spinner"),
     ProxyFunction("hog", "proxy_test_handlers:hog", host_memory_mb=256),
     ProxyFunction("sigkill", "proxy_test_handlers:sigkill"),
@@ -511,8 +512,9 @@ def _alive(pid: int) -> bool:
 
 def test_a_handler_s_keyboard_interrupt_reaches_its_caller_then_the_instance_ends(a):
     """It used to end the instance with nothing but "exited with code 1" for the caller."""
-    with pytest.raises(FunctionFailed, match="KeyboardInterrupt: stop here"):
-        a.client.invoke("interrupted", {}, request_id="r-int")
+    for i in range(3):
+        with pytest.raises(FunctionFailed, match="KeyboardInterrupt: stop here"):
+            a.client.invoke("interrupted", {}, request_id=f"r-int-{i}")
     assert a.client.invoke("noop", {}, request_id="r-int-after")["output"]["request"] == "r-int-after"
 
 
