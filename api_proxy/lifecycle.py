@@ -376,11 +376,11 @@ class Lifecycle:
             cpu = cpu_seconds(inst.pid) if inst.pid is not None else None
             if cpu is None or inst.state in ("starting", "stopping", "dead"):
                 continue
-            inst.idle_cpu.observe(cpu, inst.dispatched, inst.state == "idle")
+            inst.idle_cpu.observe(cpu, now, inst.dispatched, inst.state == "idle")
             if inst.state == "idle" and inst.idle_cpu.over_budget():
                 log.warning(
-                    "instance %d of function %r used %.1f CPU-s while serving nothing (a thread or process "
-                    "its handler left running; at most %g s): stopped",
+                    "instance %d of function %r burned %.1f CPU-s while serving nothing (a thread its "
+                    "handler left running; at most %g s): stopped",
                     inst.id, inst.spec.name, inst.idle_cpu.used_s, IDLE_CPU_BUDGET_S,
                 )
                 self.stats.idle_cpu_stops += 1
