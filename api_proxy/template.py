@@ -415,6 +415,7 @@ def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     become_subreaper()
+    _open_std_fds()
     config = read_frame(cmd_fd)
     if config is None:
         return
@@ -429,6 +430,16 @@ def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
     collapsed = collapse_heap() if config.get("huge_pages", True) else 0
     spares = int(config.get("prefork", 0)) if assign is not None else 0
     _Template(cmd_fd, evt_fd, assign, config, handlers).run(spares, collapsed)
+
+
+def _open_std_fds() -> None:
+    """/dev/null on a closed descriptor 0, 1 or 2 (a gateway started with stdout closed): otherwise a
+    child's output pipe could be made as descriptor 1 and forwarded into itself."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
 
 
 def _reap_for(seconds: float) -> bool:

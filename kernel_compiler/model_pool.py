@@ -14,7 +14,6 @@ copy.
 from __future__ import annotations
 
 import contextlib
-import filecmp
 import numbers
 import os
 import shutil
@@ -28,7 +27,7 @@ from . import model_lease, registry
 from .calibration import CALIBRATION_DIR
 from .lowering import lower_model
 from .memory_profile import MemoryProfile, profile_plan
-from .plan import PLAN_FILE, WEIGHTS_FILE, KernelPlan, StalePlan
+from .plan import PLAN_FILE, KernelPlan, StalePlan, share_weights
 from .zoo import ZOO, ModelEntry, UnknownModelError
 
 PROFILE_FILE = "memory_profile.json"
@@ -190,24 +189,6 @@ def _retire(final: Path) -> None:
     shutil.rmtree(stale, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.rename(final, stale)
-
-
-def share_weights(fresh: Path, model_dir: Path) -> Path | None:
-    """Make `fresh`'s weights file a hard link to an identical one of another plan of the model, if
-    there is one; returns that file. A model's weights do not depend on the batch or the input
-    shape, so without this every new (batch, shape) an `infer` meets stored a full copy on disk."""
-    mine = fresh / WEIGHTS_FILE
-    size = mine.stat().st_size
-    for other in sorted(model_dir.glob(f"*/{WEIGHTS_FILE}")):
-        if other.parent == fresh or other.parent.name.startswith(".") or other.stat().st_size != size:
-            continue
-        if other.stat().st_ino == mine.stat().st_ino or not filecmp.cmp(mine, other, shallow=False):
-            continue
-        linked = fresh / f".{WEIGHTS_FILE}.link"
-        os.link(other, linked)
-        os.replace(linked, mine)  # one step: the plan directory is not visible yet either way
-        return other
-    return None
 
 
 def _adopt_calibration(stale: Path, fresh: Path) -> None:

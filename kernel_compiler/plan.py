@@ -17,7 +17,9 @@ load: their costs are recomputed from the plan's own variables on load.
 
 from __future__ import annotations
 
+import filecmp
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -257,6 +259,31 @@ class KernelPlan:
         plan = cls.from_dict(json.loads((directory / PLAN_FILE).read_text()))
         plan._dir = directory
         return plan
+
+
+def share_weights(fresh: Path, model_dir: Path) -> Path | None:
+    """Make `fresh`'s weights file a hard link to an identical one of another plan directory under
+    `model_dir`, if there is one; returns that file. A model's weights do not depend on the batch or
+    the input shape, so without this every new (batch, shape) an `infer` meets stored a full copy on
+    disk. Best effort: where hard links fail (a file system without them, a plan retired meanwhile)
+    the copy stays."""
+    mine = fresh / WEIGHTS_FILE
+    size = mine.stat().st_size
+    for other in sorted(model_dir.glob(f"*/{WEIGHTS_FILE}")):
+        if other.parent == fresh or other.parent.name.startswith("."):
+            continue
+        try:
+            if other.stat().st_size != size or other.stat().st_ino == mine.stat().st_ino:
+                continue
+            if not filecmp.cmp(mine, other, shallow=False):
+                continue
+            linked = fresh / f".{WEIGHTS_FILE}.link"
+            os.link(other, linked)
+            os.replace(linked, mine)  # one step: a reader sees one whole file or the other
+        except OSError:
+            continue
+        return other
+    return None
 
 
 def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -50,7 +50,7 @@ from .model_import import (
     load_weights,
     lower_for,
 )
-from .plan import PLAN_FILE, KernelPlan
+from .plan import PLAN_FILE, KernelPlan, share_weights
 from .zoo import ZOO, ModelEntry
 
 __all__ = [
@@ -368,6 +368,7 @@ def _lower_batches(
         profile = profile_plan(plan)
         plan_dir = model_dir / f"b{batch}_{'x'.join(map(str, source.shape))}"
         plan.save(plan_dir)
+        share_weights(plan_dir, model_dir)  # one weights file for the model's batches
         (plan_dir / "memory_profile.json").write_text(profile.to_json())
         weight_bytes = plan.weight_bytes
         reports.append(

@@ -90,6 +90,8 @@ def test_factory_model_is_lowered_checked_and_stored_at_each_batch(tmp_path, fac
     assert three.batch == 3 and (root / "net@1" / "b3_3x12x12" / "plan.json").exists()
     checked = registry.verify(root, "net")
     assert [b for b, _ in checked] == [1, 2, 3] and all(d <= 1e-5 for _, d in checked)
+    weights = {(d / "weights.safetensors").stat().st_ino for d in (root / "net@1").glob("b*_3x12x12")}
+    assert len(weights) == 1  # the declared batches and the later one share one weights file
 
 
 def test_factory_weights_file_is_loaded_and_a_mismatch_names_the_file(tmp_path, factory_module):
