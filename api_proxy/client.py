@@ -30,7 +30,7 @@ from . import wire
 from .channel import ClientChannel
 from .errors import ChannelClosed, FunctionFailed, ProxyError, decode_error
 from .handles import DTYPES, Handle, handle_in_json, qualify_key, request_key
-from .host_memory import limit_host_memory, out_of_host_memory
+from .host_memory import allow_report, limit_host_memory, out_of_host_memory
 
 if TYPE_CHECKING:
     import torch
@@ -418,19 +418,7 @@ def serve(
             client.flush()
             reply = _result(invocation_id, output)
         except (Exception, SystemExit) as exc:  # the handler's failure (sys.exit too) fails its request only
-            ctx._end()
-            try:
-                client.flush()
-            except Exception as late:  # noqa: BLE001 - reported with the handler's own error
-                exc.add_note(f"also: {type(late).__name__}: {late}")
-            failure = _failure(exc)
-            if host_memory_mb is not None and out_of_host_memory(exc):  # the proxy stops this instance
-                note = (
-                    f"{function}: an instance may allocate {host_memory_mb} MiB of host memory beyond its "
-                    "warm template's (host_memory_mb); this one is stopped, the next request gets a fresh one"
-                )
-                failure = [failure[0], f"{failure[1]}\n{note}", f"{failure[2]}{note}\n", wire.RETIRE]
-            reply = wire.pack([wire.RESULT, invocation_id, False, failure])
+            reply = _failure_reply(invocation_id, exc, ctx, client, function, host_memory_mb)
         except BaseException as exc:  # KeyboardInterrupt and the like: the caller is told, then it ends
             with contextlib.suppress(Exception):
                 ctx._end()
@@ -438,6 +426,38 @@ def serve(
             # is done, and an exit before that would fail the request as a crash.
             reply = wire.pack([wire.RESULT, invocation_id, False, [*_failure(exc), wire.RETIRE]])
         channel.send(reply)
+
+
+def _failure_reply(
+    invocation_id: int, exc: BaseException, ctx: ProxyContext, client: Client, function: str,
+    host_memory_mb: int | None,
+) -> bytes:
+    """The reply to a handler's failure. An instance out of host memory (its own, or formatting the
+    error found none left) gets room to report it (`allow_report`) and is stopped after it (RETIRE)."""
+    out_of_memory = host_memory_mb is not None and out_of_host_memory(exc)
+    if out_of_memory:  # what it holds may leave nothing to report with: it ends after this anyway
+        allow_report()
+    ctx._end()
+    try:
+        client.flush()
+    except Exception as late:  # noqa: BLE001 - reported with the handler's own error
+        exc.add_note(f"also: {type(late).__name__}: {late}")
+    try:
+        failure = _failure(exc)
+    except MemoryError:  # e.g. a message of hundreds of MiB copied into its traceback's text
+        allow_report()
+        failure = [error_type_of(exc), "(not shown: formatting the error ran out of host memory)", ""]
+        out_of_memory = True
+    if out_of_memory:  # the proxy stops this instance
+        note = (
+            f"{function}: an instance may allocate {host_memory_mb} MiB of host memory beyond its warm "
+            "template's (host_memory_mb); this one is stopped, the next request gets a fresh one"
+            if host_memory_mb is not None
+            else f"{function}: this instance ran out of host memory; it is stopped, the next request gets a "
+            "fresh one"
+        )
+        failure = [failure[0], f"{failure[1]}\n{note}", f"{failure[2]}{note}\n", wire.RETIRE]
+    return wire.pack([wire.RESULT, invocation_id, False, failure])
 
 
 #: A handler's error message and traceback, each at most this long on the wire (the rest is cut).

@@ -7,7 +7,9 @@ kernel's `RLIMIT_DATA` (the private writable memory a process maps: heap, anonym
 bound gets `MemoryError` (torch: "can't allocate memory") at the limit instead of taking the host's
 memory from the proxy and the other functions. `out_of_host_memory` tells such a failure apart; the
 instance reports it and ends, so the function's next request gets a fresh instance rather than one
-whose leak is still held.
+whose leak is still held. Reporting needs memory too (the traceback's text, the reply), which a leak
+held to the brim leaves none of: `allow_report` lifts the limit by `REPORT_HEADROOM` first, as the
+instance ends after the report anyway.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import resource
 
 _KIB = 1024
+#: What an instance out of host memory may allocate more to report it (a traceback, the reply).
+REPORT_HEADROOM = 32 << 20
 
 
 def data_bytes() -> int:
@@ -42,3 +46,15 @@ def out_of_host_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or (
         isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
     )
+
+
+def allow_report(headroom_bytes: int = REPORT_HEADROOM) -> None:
+    """Lift this process's data limit by `headroom_bytes` (within the hard limit), for an instance that
+    ran out of host memory to report it before it ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if soft == resource.RLIM_INFINITY:
+        return
+    lifted = soft + headroom_bytes
+    if hard != resource.RLIM_INFINITY:
+        lifted = min(lifted, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (lifted, hard))

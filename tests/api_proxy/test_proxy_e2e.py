@@ -98,6 +98,8 @@ HANDLERS = textwrap.dedent(
 
     @streambox.function
     def hog(ctx, event):  # keeps what it allocates across invocations: a leak
+        if "shout_mib" in event:  # an error whose text fills what the instance may allocate
+            raise ValueError("x" * (event["shout_mib"] << 20))
         HELD.append(bytearray(event["mib"] << 20))
         return {"pid": os.getpid(), "held_mib": sum(len(b) for b in HELD) >> 20}
 
@@ -526,6 +528,11 @@ def test_an_instance_s_host_memory_is_bounded(a):
         a.client.invoke("hog", {"mib": 200}, request_id="r-hog-2")
     again = a.client.invoke("hog", {"mib": 100}, request_id="r-hog-3")["output"]
     assert again["held_mib"] == 100 and again["pid"] != first["pid"]  # a fresh instance, its leak gone
+    # An error its instance could not format (a copy of its 120 MiB message did not fit): the instance
+    # exited with code 1, unexplained.
+    with pytest.raises(FunctionFailed, match=r"ValueError: \(not shown(.|\n)*256 MiB of host memory beyond"):
+        a.client.invoke("hog", {"shout_mib": 120}, request_id="r-hog-4")
+    assert a.client.invoke("hog", {"mib": 1}, request_id="r-hog-5")["output"]["held_mib"] == 1
 
 
 def test_an_instance_burning_cpu_while_idle_is_stopped(a, settled):
