@@ -74,7 +74,7 @@ class SharedLink(Protocol):
 #: engine's, the stream worker's, the waiters') that a GPU's copy engine never takes from the host;
 #: on two busy cores they cost more than the copies last: a warm Traffic request's 0.6 MB uploads
 #: (55 us of link) cost its function milliseconds, and Image processing's 2.4 MB download (410 us
-#: pageable) took 7.6 ms under StreamBox against 3.7 ms placed at issue (docs/reproduction.md, "Session
+#: pageable) took 7.6 ms under StreamBox against 3.7 ms placed at issue (docs/reproduction-log.md, "Session
 #: of 2026-11-27, 05:51 UTC"). A copy arriving meanwhile waits for its end instead of sharing the
 #: link with it: the short copy ends earlier than under processor sharing and the other later, each
 #: by at most this much. It enters the link at most this far ahead of now.
