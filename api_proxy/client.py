@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from streambox.sdk import GET_TIMEOUT_S, error_type_of
+from streambox.sdk import GET_TIMEOUT_S, error_message_of, error_type_of
 
 from . import wire
 from .channel import ClientChannel
@@ -466,7 +466,7 @@ MAX_ERROR_CHARS = 16_384
 
 def _failure(exc: BaseException) -> list[str]:
     """[error type, message, traceback] of a handler's failure, each bounded by `MAX_ERROR_CHARS`."""
-    message, text = str(exc), "".join(traceback.format_exception(exc))
+    message, text = error_message_of(exc), "".join(traceback.format_exception(exc))
     if len(message) > MAX_ERROR_CHARS:
         message = f"{message[:MAX_ERROR_CHARS]}... ({len(message) - MAX_ERROR_CHARS} more characters)"
     if len(text) > MAX_ERROR_CHARS:  # its end says where it was raised

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import resource
 
+from .errors import ProxyError
+
 _KIB = 1024
 #: What an instance out of host memory may allocate more to report it (a traceback, the reply).
 REPORT_HEADROOM = 32 << 20
@@ -42,10 +44,12 @@ def limit_host_memory(extra_bytes: int) -> int:
 
 
 def out_of_host_memory(error: BaseException) -> bool:
-    """Whether `error` is an allocation the limit refused (Python's, or torch's CPU allocator's)."""
-    return isinstance(error, MemoryError) or (
-        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
-    )
+    """Whether `error` is an allocation the limit refused (Python's, or torch's CPU allocator's); not a
+    refusal the proxy sent back (`QuotaExceeded` is a `MemoryError` too, of the device or the store,
+    and leaves the instance's host memory as it was)."""
+    if isinstance(error, MemoryError):
+        return not isinstance(error, ProxyError)
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
 def allow_report(headroom_bytes: int = REPORT_HEADROOM) -> None:

@@ -52,6 +52,15 @@ def error_type_of(error: BaseException) -> str:
     return InvalidInput.__name__ if isinstance(error, InvalidInput) else type(error).__name__
 
 
+def error_message_of(error: BaseException) -> str:
+    """`str(error)`, or a note saying it failed: a handler's exception class may raise in `__str__`,
+    and its failure must still be reported."""
+    try:
+        return str(error)
+    except Exception as unprintable:  # noqa: BLE001 - whatever it raised, the failure is reported
+        return f"(its str() raised {type(unprintable).__name__})"
+
+
 @runtime_checkable
 class Context(Protocol):
     """A handler's `ctx`, wherever it runs (the same calls, semantics and GET timeout).

@@ -41,7 +41,7 @@ from streambox.comm.tables import dtype_name, parse_dtype
 from streambox.config import Config
 from streambox.device import Event, Runtime, Stream
 from streambox.kernel_compiler.model_pool import ModelPool
-from streambox.sdk import GET_TIMEOUT_S, error_type_of
+from streambox.sdk import GET_TIMEOUT_S, error_message_of, error_type_of
 
 from .handlers import Handler, resolve_handler
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats, deployed
@@ -577,5 +577,5 @@ class LocalInvoker:
             with contextlib.suppress(Exception):
                 ctx.finish()  # the handler's error is the one to report
             raise InvocationError(
-                function, error_type_of(error), str(error), traceback.format_exc()
+                function, error_type_of(error), error_message_of(error), traceback.format_exc()
             ) from None

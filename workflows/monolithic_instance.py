@@ -47,7 +47,7 @@ from streambox.config import Config
 from streambox.device import Runtime, Stream
 from streambox.gc_pauses import freeze_startup_heap, freezing
 from streambox.kernel_compiler.plan import KernelPlan
-from streambox.sdk import error_type_of
+from streambox.sdk import error_message_of, error_type_of
 
 from .handlers import resolve_handler
 from .instance_batching import BatchRun, InferCounts, InstanceContext
@@ -258,7 +258,8 @@ class _InstanceWorkflow(_LocalWorkflow):
 
 
 def _error(error: BaseException) -> dict[str, Any]:
-    return {"error_type": error_type_of(error), "message": str(error), "traceback": traceback.format_exc()}
+    message = error_message_of(error)
+    return {"error_type": error_type_of(error), "message": message, "traceback": traceback.format_exc()}
 
 
 class Instance:

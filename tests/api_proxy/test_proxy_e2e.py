@@ -100,6 +100,13 @@ HANDLERS = textwrap.dedent(
     def hog(ctx, event):  # keeps what it allocates across invocations: a leak
         if "shout_mib" in event:  # an error whose text fills what the instance may allocate
             raise ValueError("x" * (event["shout_mib"] << 20))
+        if "ttl" in event:  # refused by the store: a MemoryError too, but not of host memory
+            ctx.put(ctx.key("k"), ctx.alloc(16), ttl=event["ttl"]).result()
+        if event.get("unprintable"):
+            class Unprintable(Exception):
+                def __str__(self):
+                    raise RuntimeError("no text")
+            raise Unprintable()
         HELD.append(bytearray(event["mib"] << 20))
         return {"pid": os.getpid(), "held_mib": sum(len(b) for b in HELD) >> 20}
 
@@ -532,7 +539,15 @@ def test_an_instance_s_host_memory_is_bounded(a):
     # exited with code 1, unexplained.
     with pytest.raises(FunctionFailed, match=r"ValueError: \(not shown(.|\n)*256 MiB of host memory beyond"):
         a.client.invoke("hog", {"shout_mib": 120}, request_id="r-hog-4")
-    assert a.client.invoke("hog", {"mib": 1}, request_id="r-hog-5")["output"]["held_mib"] == 1
+    pid = a.client.invoke("hog", {"mib": 1}, request_id="r-hog-5")["output"]["pid"]
+    # Neither a store's refusal (it retired the instance with a false note on host memory) nor an
+    # error whose str() raises (the instance exited, the error's type lost) ends the instance.
+    with pytest.raises(FunctionFailed, match="QuotaExceeded") as refused:
+        a.client.invoke("hog", {"mib": 0, "ttl": 1e300}, request_id="r-hog-6")
+    assert "host_memory_mb" not in str(refused.value)
+    with pytest.raises(FunctionFailed, match="Unprintable"):
+        a.client.invoke("hog", {"mib": 0, "unprintable": True}, request_id="r-hog-7")
+    assert a.client.invoke("hog", {"mib": 0}, request_id="r-hog-8")["output"]["pid"] == pid
 
 
 def test_an_instance_burning_cpu_while_idle_is_stopped(a, settled):
