@@ -21,6 +21,7 @@ most `END_REQUEST_WAIT_S` (a dead proxy answers at once through its client's liv
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -41,6 +42,10 @@ Path = tuple[int, ...]  # positions in the fan-out lists on the way to an invoca
 OK, ERROR, TIMEOUT, CANCELLED = "ok", "error", "timeout", "cancelled"
 LAUNCH_WINDOW = 2  # launched invocations per function and request, in units of its max_instances
 END_REQUEST_WAIT_S = 2.0  # the longest a request's answer waits for its keys to be dropped
+#: What the outputs of one request's invocations may hold in the gateway together, in bytes of JSON:
+#: they are kept until the request ends and become fan-in events and the response, both bounded like
+#: a request's body (each output alone is bounded the same way where it is made).
+MAX_REQUEST_OUTPUT_BYTES = 64 << 20
 
 
 class UnknownWorkflow(KeyError):
@@ -258,6 +263,7 @@ class _Run:
         self.outputs: dict[str, list[tuple[Path, Any]]] = defaultdict(list)
         self.calls: list[CallRecord] = []
         self.launched = 0  # invocations launched or waiting for a launch, all functions together
+        self.output_bytes = 0  # of JSON, every output so far together (`MAX_REQUEST_OUTPUT_BYTES`)
         self.deadline = 0.0
         self.started = time.perf_counter()
         self._group: asyncio.TaskGroup | None = None
@@ -349,6 +355,14 @@ class _Run:
         self._settle(record.function, record)
 
     def _deliver(self, record: CallRecord, output: Any) -> None:
+        self.output_bytes += len(json.dumps(output))  # JSON-able: it came through JSON
+        if self.output_bytes > MAX_REQUEST_OUTPUT_BYTES:
+            record.status = ERROR
+            record.error = (
+                f"the request's outputs hold {self.output_bytes} bytes of JSON with this one, more than "
+                f"{MAX_REQUEST_OUTPUT_BYTES}: put large data in the store (ctx.put) and return its key"
+            )
+            raise _CallFailed(record, f"{record.label} failed: {record.error}")
         self.outputs[record.function].append((record.path, output))
         graph = self.wf.graph
         deliveries = [(edge, self._items(record, edge, output)) for edge in graph.downstream[record.function]]

@@ -305,3 +305,14 @@ edges:
     tighter = spec_of(fan_in.replace("max_invocations: 12", "max_invocations: 11"))
     (over,) = run(run_once(make_invoker(), tighter, {"count": 10}))
     assert over.status == "error" and "would take the request past 11" in over.error
+
+
+def test_a_request_s_outputs_are_bounded_together(make_invoker, run, monkeypatch):
+    """Each output was bounded alone, but the gateway kept them all: a fan-out's items gathered into a
+    fan-in's event (or the response) grew with the items, up to max_items x 64 MiB in one process."""
+    from streambox.workflows import engine
+
+    monkeypatch.setattr(engine, "MAX_REQUEST_OUTPUT_BYTES", 300)
+    small, big = run(run_once(make_invoker(), spec_of(FAN), {"count": 5}, {"count": 60}))
+    assert small.ok, small.error
+    assert big.status == "error" and "more than 300: put large data in the store (ctx.put)" in big.error
