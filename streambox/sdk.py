@@ -109,35 +109,38 @@ class FunctionMeta:
     """What `@streambox.function` records on a handler (`handler.__streambox__`)."""
 
     models: list[str] = field(default_factory=list)
-    name: str | None = None  # default: the handler's __name__
-    batch: int | None = None  # default: the workflow spec's
-    max_instances: int | None = None
-    timeout_s: float | None = None
 
 
-def function(
-    fn: F | None = None,
-    *,
-    models: Sequence[str] = (),
-    name: str | None = None,
-    batch: int | None = None,
-    max_instances: int | None = None,
-    timeout_s: float | None = None,
-) -> Any:
-    """Mark `fn(ctx, event)` as a StreamBox function that may run `models`.
+#: Options the decorator once took and never applied: each is the workflow's to set, in its YAML.
+_SET_IN_YAML = {
+    "name": "the function's key under `functions:`",
+    "batch": "max_batch_size",
+    "max_instances": "max_instances",
+    "timeout_s": "timeout_ms",
+}
 
-    Usable bare (`@streambox.function`) or with options. The handler is returned unchanged apart
-    from its `__streambox__` attribute, so it stays callable (and testable) as a plain function.
+
+def function(fn: F | None = None, *, models: Sequence[str] = (), **options: object) -> Any:
+    """Mark `fn(ctx, event)` as a StreamBox function that may run `models` (names of the model pool).
+
+    Usable bare (`@streambox.function`) or with `models=[...]`. The handler is returned unchanged
+    apart from its `__streambox__` attribute, so it stays callable (and testable) as a plain function.
+    How a function runs (instances, timeout, batching) is the workflow's, set in its YAML.
     """
     if isinstance(models, str):
         raise TypeError(f"models must be a list of model names, got the string {models!r}")
+    odd = [m for m in models if not isinstance(m, str)]
+    if odd:
+        raise TypeError(f"models must be a list of model names (strings), got {odd[0]!r} in {list(models)!r}")
+    for option in options:
+        where = _SET_IN_YAML.get(option)
+        hint = f"set it in the workflow's YAML ({where})" if where else "it takes only models=[...]"
+        raise TypeError(f"@streambox.function got {option}=...: {hint}")
 
     def mark(handler: F) -> F:
         if not callable(handler):
             raise TypeError(f"@streambox.function needs a callable, got {type(handler).__name__}")
-        handler.__streambox__ = FunctionMeta(  # type: ignore[attr-defined]
-            models=list(models), name=name, batch=batch, max_instances=max_instances, timeout_s=timeout_s
-        )
+        handler.__streambox__ = FunctionMeta(models=list(models))  # type: ignore[attr-defined]
         return handler
 
     return mark(fn) if fn is not None else mark

@@ -26,18 +26,30 @@ def test_bare_decorator_and_options():
     def bare(ctx, event):
         return None
 
-    @streambox.function(models=["vgg16"], max_instances=2, timeout_s=5.0)
+    @streambox.function(models=["vgg16"])
     def tuned(ctx, event):
         return None
 
     assert meta_of(bare) == FunctionMeta()
-    assert meta_of(tuned) == FunctionMeta(models=["vgg16"], max_instances=2, timeout_s=5.0)
+    assert meta_of(tuned) == FunctionMeta(models=["vgg16"])
     assert meta_of(lambda ctx, event: None) is None
 
 
 def test_models_must_be_a_list_of_names():
     with pytest.raises(TypeError, match="list of model names"):
         streambox.function(models="resnet18")
+    with pytest.raises(TypeError, match=r"model names \(strings\), got 1 in \[1, 2\]"):
+        streambox.function(models=[1, 2])  # validate's model lookup crashed on it
+
+
+def test_options_a_workflow_sets_are_refused_where_they_would_be_ignored():
+    """max_instances, timeout_s, batch and name were recorded and never applied."""
+    with pytest.raises(TypeError, match=r"timeout_s=\.\.\.: set it in the workflow's YAML \(timeout_ms\)"):
+        streambox.function(models=["vgg16"], timeout_s=5.0)
+    with pytest.raises(TypeError, match="max_instances=...: set it in the workflow's YAML"):
+        streambox.function(max_instances=2)
+    with pytest.raises(TypeError, match="retries=...: it takes only models"):
+        streambox.function(retries=2)
 
 
 def test_import_streambox_loads_neither_torch_nor_the_device_layer(tmp_path):
