@@ -175,15 +175,24 @@ def resolve_handler(spec: str) -> Any:
     return obj
 
 
+class WarmUpFailed(RuntimeError):
+    """A handlers' module's `warm_up()` raised (its error is the cause): the workflow cannot start."""
+
+
 def warm_up_modules(handlers: Iterable[Any]) -> int:
     """Call, once each, the `warm_up()` of the handlers' modules that define one: lazy work (built
     objects, tables) done where the handlers are imported, so that instances forked afterwards
     inherit it instead of paying it at their first request. How many ran."""
-    modules = {getattr(h, "__module__", None) for h in handlers}
-    hooks = [getattr(sys.modules.get(m or ""), "warm_up", None) for m in sorted(filter(None, modules))]
-    for hook in filter(callable, hooks):
-        hook()
-    return sum(map(callable, hooks))
+    modules = sorted(filter(None, {getattr(h, "__module__", None) for h in handlers}))
+    hooks = [(m, getattr(sys.modules.get(m), "warm_up", None)) for m in modules]
+    for module, hook in hooks:
+        if callable(hook):
+            try:
+                hook()
+            except Exception as exc:  # the workflow cannot start: say whose hook, where it came from
+                where = getattr(sys.modules[module], "__file__", None) or module
+                raise WarmUpFailed(f"warm_up() of module {module!r} ({where}) raised:") from exc
+    return sum(callable(hook) for _, hook in hooks)
 
 
 def _setup_child(template_pid: int, close: list[int]) -> None:
@@ -422,7 +431,9 @@ def main(cmd_fd: int, evt_fd: int, assign_fd: int = -1) -> None:
     try:
         handlers = _import_handlers(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the proxy, which fails its start
-        write_frame(evt_fd, [FAILED, "".join(traceback.format_exception(exc))])
+        hook = exc.__cause__ if isinstance(exc, WarmUpFailed) else None  # its own frames are noise
+        why = "".join(traceback.format_exception(hook or exc))
+        write_frame(evt_fd, [FAILED, f"{exc}\n{why}" if hook else why])
         return
     assign = socket.socket(fileno=assign_fd) if assign_fd >= 0 else None
     gc.collect()

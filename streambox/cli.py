@@ -417,7 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         # A DeviceError can only come from the device package once imported (it imports torch).
         device = sys.modules.get("streambox.device")
-        if not isinstance(error, (ValueError, KeyError, OSError, *((device.DeviceError,) if device else ()))):
+        proxy = sys.modules.get("streambox.api_proxy.errors")  # a proxy that did not start, ...
+        told = (*((device.DeviceError,) if device else ()), *((proxy.ProxyError,) if proxy else ()))
+        if not isinstance(error, (ValueError, KeyError, OSError, *told)):
             raise
         # Configuration mistakes and what the system refused (a path that cannot be written, a port
         # in use) get one clear line, not a traceback.

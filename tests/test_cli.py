@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from streambox.cli import main
@@ -172,3 +174,19 @@ def test_validate_names_an_empty_name_and_a_dangling_link(tmp_path, capsys):
     (tmp_path / "b").symlink_to(tmp_path / "a")
     assert main(["validate", str(tmp_path / "a")]) == 2
     assert f"{tmp_path / 'a'}: a symbolic link to nothing (or a loop of links)" in capsys.readouterr().err
+
+
+def test_serve_says_in_one_error_why_a_workflow_s_proxy_did_not_start(tmp_path, capsys, monkeypatch):
+    """A warm_up() that raised passed validate, then ended serve with a 60-line traceback of its own."""
+    monkeypatch.setenv("STREAMBOX_STATE_DIR", str(tmp_path / "state"))
+    (tmp_path / "wu.py").write_text("def warm_up():\n    raise RuntimeError('warm_up failed')\n"
+                                    "def run(ctx, event):\n    return 1\n")
+    (tmp_path / "wu.yaml").write_text("name: wu\nslo_ms: 1000\nfunctions:\n  f: {handler: wu:run}\n")
+    with socket.socket() as probe:  # a free port: the gateway is never reached, but is made first
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", str(tmp_path / "wu.yaml"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert "streambox serve: error: the proxy of workflow 'wu' did not start" in err
+    assert "warm_up() of module 'wu'" in err and "wu.py\", line 2, in warm_up" in err
+    assert "cli.py" not in err  # no traceback of serve's own

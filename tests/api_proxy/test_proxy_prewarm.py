@@ -12,7 +12,7 @@ import pytest
 
 from streambox.api_proxy.control import launch_proxy
 from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
-from streambox.api_proxy.template import resolve_handler, warm_up_modules
+from streambox.api_proxy.template import WarmUpFailed, resolve_handler, warm_up_modules
 
 HANDLERS = textwrap.dedent(
     """
@@ -74,3 +74,13 @@ def test_warm_up_runs_each_modules_hook_once_and_skips_modules_without(tmp_path,
 
 def test_no_prewarm_by_default_the_first_request_forks():
     assert ProxyConfig(workflow="w", functions=()).prewarm == 0
+
+
+def test_a_failing_warm_up_names_its_module_and_file(tmp_path, monkeypatch):
+    (tmp_path / "failing_mod.py").write_text("def warm_up():\n    raise RuntimeError('no tables')\n"
+                                             "def handler(ctx, event):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    match = r"warm_up\(\) of module 'failing_mod' \(.*failing_mod.py\)"
+    with pytest.raises(WarmUpFailed, match=match) as failed:
+        warm_up_modules([resolve_handler("failing_mod:handler")])
+    assert str(failed.value.__cause__) == "no tables"
