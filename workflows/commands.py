@@ -26,6 +26,7 @@ from streambox.flags import MECHANISMS, RUN, given_settings
 from .engine import Engine, RequestResult
 from .examples import EXAMPLES, SMALL_PARAMS, example_path
 from .gateway import Gateway, GatewayServer, check_bind
+from .image_input import load_event_json
 from .invoker import Invoker, StatsSource
 from .local import LocalInvoker
 from .spec import WorkflowSpec
@@ -179,16 +180,14 @@ def inputs_from(args: argparse.Namespace) -> str:
 
 
 def load_event(path: str | Path) -> dict[str, Any]:
-    """An event from a JSON file (an object)."""
+    """An event from a JSON file: an object, under the gateway's rules for a request body (no NaN, no
+    integer past 64 bits, bounded nesting), so that a file the gateway would refuse is refused here,
+    naming the file; `ValueError` otherwise."""
     try:
-        event = json.loads(Path(path).read_text())
+        data = Path(path).read_bytes()
     except OSError as error:
         raise ValueError(f"{path}: {error.strerror or error}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not JSON: {error}") from None
-    if not isinstance(event, dict):
-        raise ValueError(f"{path}: an event is a JSON object, got {type(event).__name__}")
-    return event
+    return load_event_json(data, str(path))  # its BodyError is a ValueError naming the file
 
 
 @dataclass(frozen=True)

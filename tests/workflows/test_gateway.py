@@ -268,10 +268,16 @@ def test_serve_validates_before_starting(tmp_path):
 def test_load_event_errors(tmp_path):
     path = tmp_path / "e.json"
     path.write_text("[1]")
-    with pytest.raises(ValueError, match="an event is a JSON object, got list"):
+    with pytest.raises(ValueError, match="e.json must be a JSON object \\(the event\\), got list"):
         load_event(path)
     with pytest.raises(ValueError, match="No such file"):
         load_event(tmp_path / "none.json")
+    # What the gateway would refuse is refused here, naming the file (a 5,000-digit integer gave
+    # Python's own advice to call sys.set_int_max_str_digits; NaN went through to a 400).
+    for text in ('{"n": ' + "9" * 5000 + "}", '{"x": NaN}'):
+        path.write_text(text)
+        with pytest.raises(ValueError, match="e.json is not JSON"):
+            load_event(path)
 
 
 def test_run_local_and_bundled_names(tmp_path):
