@@ -87,6 +87,8 @@ def format_loc(loc: Iterable[str | int]) -> str:
 
 
 _YAML_TAG = "tag:yaml.org,2002:"
+_MERGE_TAG = _YAML_TAG + "merge"
+_INVALID = object()  # a scalar its tag refuses (said as an issue)
 _PLAIN_KINDS = frozenset(
     ("map", "seq", "str", "int", "float", "bool", "null", "timestamp", "binary", "merge", "value")
 )
@@ -135,21 +137,27 @@ class _Document:
             self.issue(loc, f"unsupported YAML tag {shown}: {plain}", node.start_mark)
             return None
         if isinstance(node, MappingNode):
-            self._constructor.flatten_mapping(node)  # merge keys (<<) as PyYAML does
+            own = sum(key.tag != _MERGE_TAG for key, _ in node.value)
+            self._constructor.flatten_mapping(node)  # merge keys (<<) as PyYAML does: merged pairs first,
+            merged = len(node.value) - own  # and a key of the mapping's own overrides a merged one
             out: dict[Any, Any] = {}
-            for key_node, value_node in node.value:
+            from_merge: set[str] = set()
+            for i, (key_node, value_node) in enumerate(node.value):
                 if not isinstance(key_node, ScalarNode):
                     self.issue(loc, "a key must be a plain value, not a list or mapping", key_node.start_mark)
                     continue
-                key = self._constructor.construct_object(key_node)
+                key = self._scalar(key_node, loc)
+                if key is _INVALID:  # not a value of its tag: said
+                    continue
                 if not isinstance(key, str):  # YAML reads 1, true, null as such: 1 and true collide
                     text = key_node.value
                     message = f"a key must be text, not {type(key).__name__} {key!r}: quote it ('{text}')"
                     self.issue((*loc, text), message, key_node.start_mark)
                     continue
-                if key in out:
+                if key in out and key not in from_merge:
                     self.issue((*loc, key), "duplicate key", key_node.start_mark)
                     continue
+                (from_merge.add if i < merged else from_merge.discard)(key)
                 self.marks[(*loc, key)] = key_node.start_mark
                 out[key] = self.build(value_node, (*loc, key), active)
             return out
@@ -159,7 +167,17 @@ class _Document:
                 self.marks[(*loc, i)] = item.start_mark
                 items.append(self.build(item, (*loc, i), active))
             return items
-        return self._constructor.construct_object(node)
+        value = self._scalar(node, loc)
+        return None if value is _INVALID else value
+
+    def _scalar(self, node: Node, loc: Loc) -> Any:
+        """A scalar's value; `_INVALID`, with an issue, where its tag refuses it (`!!int abc`)."""
+        try:
+            return self._constructor.construct_object(node)
+        except Exception:  # noqa: BLE001 - the constructors raise anything (AttributeError too) for it
+            shown = "!!" + node.tag.removeprefix(_YAML_TAG) if node.tag.startswith(_YAML_TAG) else node.tag
+            self.issue(loc, f"{node.value!r} is not a valid {shown}", node.start_mark)
+            return _INVALID
 
 
     def _count(self, node: Node, depth: int) -> None:

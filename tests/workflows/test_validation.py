@@ -272,6 +272,26 @@ def test_yaml_mistakes_duplicate_keys_and_non_mappings():
     ]
 
 
+def test_a_value_its_tag_refuses_is_named_and_a_merged_key_may_be_overridden():
+    """`!!timestamp abc` was a traceback and `!!int abc` an error without file or line; a key of the
+    mapping's own overriding one merged in with `<<` was called a duplicate (YAML lets it win)."""
+    head = "name: demo\nslo_ms: 100\nfunctions:\n"
+    tagged = "  a: {handler: wf_test_handlers:echo, params: {t: !!timestamp abc, n: !!int x}}\n"
+    assert errors(head + tagged) == [
+        "demo.yaml:4:51: functions.a.params.t: 'abc' is not a valid !!timestamp",
+        "demo.yaml:4:71: functions.a.params.n: 'x' is not a valid !!int",
+    ]
+    merged = head + (
+        "  a: &base {handler: wf_test_handlers:echo, max_instances: 2}\n"
+        "  b: {<<: *base, max_instances: 3}\n"
+    )
+    spec = parse_spec(merged, "demo.yaml", HERE)
+    assert spec.functions["a"].max_instances == 2 and spec.functions["b"].max_instances == 3
+    assert errors(merged.replace("max_instances: 3}", "max_instances: 3, max_instances: 4}")) == [
+        "demo.yaml:5:36: functions.b.max_instances: duplicate key"
+    ]
+
+
 def test_validate_file_names_the_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("name: demo\nslo_ms: 100\nfunctions:\n  a: {handler: my_handlers:run, models: [gpt5]}\n")
