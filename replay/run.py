@@ -128,8 +128,10 @@ def environment_options(
     named = {option_name(k) for k in given}
     upper = {name.upper(): value for name, value in environ.items()}  # as the settings read it
     found = {}
-    for key in settings:
-        if key == "system" or key in named:
+    device = settings.get("device")  # the device's settings sit one level down; where the models
+    device_keys = [k for k in device if k != "model_pool"] if isinstance(device, Mapping) else []  # are kept
+    for key in [*settings, *device_keys]:  # changes no measurement
+        if key in ("system", "device") or key in named:
             continue
         for spelling in (key, *ENV_ALIASES.get(key, ())):
             value = upper.get(f"{ENV_PREFIX}{spelling.upper()}")

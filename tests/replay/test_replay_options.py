@@ -110,6 +110,14 @@ def test_a_switch_set_in_the_environment_is_part_of_the_runs_label(monkeypatch) 
     monkeypatch.setenv("streambox_pool_mode", "static")
     monkeypatch.setenv("STREAMBOX_MODEL_SHAPES", "full")
     assert run_label(ReplayConfig(), plain) == "streambox[inputs=full,pool_mode=static]"
+    # The device's settings too: an H100 or a functional-mode run was labelled as the V100 timed one,
+    # so `paper --reuse` and `report` set it beside the others.
+    monkeypatch.delenv("streambox_pool_mode")
+    monkeypatch.delenv("STREAMBOX_MODEL_SHAPES")
+    monkeypatch.setenv("STREAMBOX_DEVICE_PRESET", "h100-80gb")
+    monkeypatch.setenv("STREAMBOX_DEVICE_MODE", "functional")
+    on_h100 = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
+    assert run_label(ReplayConfig(), on_h100) == "streambox[device_mode=functional,device_preset=h100-80gb]"
 
 
 @pytest.mark.parametrize(("key", "value"), [("keep_alive_s", "inf"), ("weights_keep_alive_s", "1e999")])
