@@ -105,6 +105,20 @@ def benchmarks_dir() -> Path | None:
     return here if (here / "_common.py").exists() else None
 
 
+def _json_value(path: Path) -> object:
+    """What a measurement's JSON file holds; None where it cannot be read (damaged, gone): --reuse
+    then measures again instead of failing."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _json_object(path: Path) -> dict | None:
+    value = _json_value(path)
+    return value if isinstance(value, dict) else None
+
+
 @dataclass
 class Session:
     out: Path
@@ -119,6 +133,8 @@ class Session:
     _benchmarks: dict[str, Path] = field(default_factory=dict, init=False)
     _repeats: dict[Path, dict[str, Path]] = field(default_factory=dict, init=False)
     _batch16: dict[str, Path] | None = field(default=None, init=False)
+    _reused: list[str] = field(default_factory=list, init=False)  # what --reuse took (for the tables' note)
+    _measured: bool = field(default=False, init=False)  # whether this session measured anything
 
     @property
     def size(self) -> ReplaySize:
@@ -171,6 +187,7 @@ class Session:
             return reused
         from ..run import run_comparison, was_interrupted
 
+        self._measured = True
         results, _ = run_comparison(
             systems, out=folder, overwrite=True, progress=self.progress, **size.options()
         )
@@ -193,10 +210,13 @@ class Session:
             if not (run_dir / "summary.json").exists():
                 print(f"not reusing {folder}: no finished run of {system}", flush=True)
                 return None
-            if was_interrupted(json.loads((run_dir / "summary.json").read_text())):
+            summary, stored = _json_object(run_dir / "summary.json"), _json_object(run_dir / "config.json")
+            if summary is None or stored is None or not isinstance(stored.get("config"), dict):
+                print(f"not reusing {run_dir}: its summary.json or config.json cannot be read", flush=True)
+                return None
+            if was_interrupted(summary):
                 print(f"not reusing {folder}: the run of {system} was interrupted", flush=True)
                 return None
-            stored = json.loads((run_dir / "config.json").read_text())
             wanted = replay_config(system=system, out=run_dir, **size.options())
             differ = same_measurement(stored["config"], wanted)
             request = SystemRequest(system, tuple(wanted.workflows), options=dict(wanted.system_options))
@@ -208,20 +228,24 @@ class Session:
                 return None
             runs[system] = run_dir
         print(f"reusing the replay comparison in {folder}", flush=True)
+        self._reused.append(self.relative(folder))
         return runs
 
     def machine_note(self) -> str:
-        """The host's load, which the replays' latencies follow on a shared machine."""
-        if self.reuse:
-            return (
-                "rebuilt from measurements already in the output folder (--reuse): the host load when "
-                "they were taken is not recorded here"
-            )
+        """The host's load, which the replays' latencies follow on a shared machine; what --reuse took
+        from the output folder instead of measuring, whose host load is not recorded."""
+        reused = (
+            f"rebuilt from measurements already in the output folder (--reuse: {', '.join(self._reused)}): "
+            "the host load when they were taken is not recorded here"
+        )
+        if self._reused and not self._measured:
+            return reused
         now = os.getloadavg()
-        return (
+        host = (
             f"host: {os.cpu_count()} cores, load average (1 min) {self.load_at_start[0]:.1f} at the start, "
             f"{now[0]:.1f} when this table was written"
         )
+        return f"{host}; partly {reused}" if self._reused else host
 
     def relative(self, path: Path) -> str:
         return str(path.relative_to(self.out))
@@ -238,10 +262,12 @@ class Session:
         target = self.out / "bench" / f"{name}.json"
         args = ["--quick", *(SMOKE_ARGS.get(name, ()) if self.quick else ())]
         given = target.with_suffix(".args.json")  # the arguments it ran with, for --reuse
-        if self.reuse and target.exists() and given.exists() and json.loads(given.read_text()) == args:
+        if self.reuse and target.exists() and given.exists() and _json_value(given) == args:
             print(f"reusing {target}", flush=True)
+            self._reused.append(self.relative(target))
             self._benchmarks[name] = target
             return target
+        self._measured = True
         target.parent.mkdir(parents=True, exist_ok=True)
         target.unlink(missing_ok=True)
         command = [sys.executable, str(folder / f"{name}.py"), *args, "--json", str(target)]

@@ -228,6 +228,22 @@ def test_reuse_takes_only_runs_that_measured_what_the_figure_would(
     monkeypatch.delenv("STREAMBOX_POOL_MODE")
     assert session._reused_comparison(tmp_path / "replay", QUICK) is None  # ... is not StreamBox
     assert "pool_mode=static" in capsys.readouterr().out
+    # A damaged run is measured again (it used to stop the call: a JSON error naming no file, or a
+    # traceback for a summary that is no object), and the tables say what was reused, and only then.
+    for system in systems:
+        store(system)
+    (tmp_path / "replay" / "stream-only" / "summary.json").write_text("[1, 2]")
+    assert session._reused_comparison(tmp_path / "replay", QUICK) is None
+    (tmp_path / "replay" / "stream-only" / "summary.json").write_text("{}")
+    (tmp_path / "replay" / "stream-only" / "config.json").write_text("{oops")
+    assert session._reused_comparison(tmp_path / "replay", QUICK) is None
+    assert "stream-only: its summary.json or config.json cannot be read" in capsys.readouterr().out
+    fresh = Session(tmp_path, quick=True, systems=systems, reuse=True)
+    assert fresh.machine_note().startswith("host: ")  # nothing reused yet
+    store("stream-only")
+    assert fresh._reused_comparison(tmp_path / "replay", QUICK) is not None
+    assert fresh.machine_note().startswith("rebuilt from measurements already in the output folder "
+                                             "(--reuse: replay)")
 
 
 def test_systems_a_figure_cannot_use_are_refused_before_anything_is_measured(
