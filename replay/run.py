@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import platform
+import shutil
 import signal
 import sys
 import time
@@ -119,6 +120,16 @@ class ReplayConfig(SettingsModel):
 ENV_ALIASES: dict[str, tuple[str, ...]] = {"inputs": ("model_shapes",)}
 
 
+def _replay_device() -> dict[str, str]:
+    """The device a replay runs on unless told otherwise: `Config`'s defaults, timed (where the
+    models are kept is left out: it changes no measurement)."""
+    from .systems import REPLAY_DEVICE_DEFAULTS  # systems registers targets, which import this module
+
+    fields = ("backend", "device_preset", "gpus", "device_mode", "framework_runtime")
+    defaults = {k: Config.model_fields[k].get_default(call_default_factory=False) for k in fields}
+    return {k: str(v) for k, v in {**defaults, **REPLAY_DEVICE_DEFAULTS}.items()}
+
+
 def environment_options(
     settings: Mapping[str, Any], given: Mapping[str, Any], environ: Mapping[str, str]
 ) -> dict[str, str]:
@@ -128,9 +139,11 @@ def environment_options(
     named = {option_name(k) for k in given}
     upper = {name.upper(): value for name, value in environ.items()}  # as the settings read it
     found = {}
-    device = settings.get("device")  # the device's settings sit one level down; where the models
-    device_keys = [k for k in device if k != "model_pool"] if isinstance(device, Mapping) else []  # are kept
-    for key in [*settings, *device_keys]:  # changes no measurement
+    device = settings.get("device")  # the device's settings sit one level down: those unlike the
+    device = device if isinstance(device, Mapping) else {}  # replay's own (the emulated V100, timed)
+    plain = _replay_device()
+    device_keys = [k for k, v in device.items() if k in plain and str(v) != plain[k]]
+    for key in [*settings, *device_keys]:
         if key in ("system", "device") or key in named:
             continue
         for spelling in (key, *ENV_ALIASES.get(key, ())):
@@ -375,10 +388,50 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
         target = resolve_system(config.system, request)
     run_dir = Path(config.out)
     check_out_folder(run_dir)
-    if (run_dir / "summary.json").exists() and not config.overwrite:
-        raise ValueError(f"{run_dir} already holds a run (summary.json); choose another --out or --overwrite")
+    held = [name for name in ("summary.json", "requests.csv") if (run_dir / name).exists()]
+    if held and not config.overwrite:  # a finished run, or one that measured before it stopped
+        raise ValueError(f"{run_dir} already holds a run ({held[0]}); choose another --out or --overwrite")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").unlink(missing_ok=True)
+    aside = _set_aside(run_dir)
+    try:
+        return await _record(config, target, workload, run_dir)
+    except BaseException:  # stopped before it measured anything (e.g. Ctrl-C while deploying)
+        if aside is not None:
+            _put_back(aside, run_dir)
+        raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+
+
+#: The files a run writes into its folder (docs/replay.md): what `--overwrite` replaces.
+RUN_FILES = ("config.json", "requests.csv", "samples.csv", "summary.json")
+_ASIDE = ".previous-run"
+
+
+def _set_aside(run_dir: Path) -> Path | None:
+    """The previous run's files in `run_dir`, moved into a folder of their own (an --overwrite), so
+    that a run that ends before it measured anything leaves the previous one whole (`_put_back`)."""
+    previous = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not previous:
+        return None
+    aside = run_dir / _ASIDE
+    shutil.rmtree(aside, ignore_errors=True)
+    aside.mkdir()
+    for name in previous:
+        os.replace(run_dir / name, aside / name)
+    return aside
+
+
+def _put_back(aside: Path, run_dir: Path) -> None:
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+        if (aside / name).exists():
+            os.replace(aside / name, run_dir / name)
+
+
+async def _record(config: ReplayConfig, target: Target, workload: Workload, run_dir: Path) -> RunResult:
+    """Run the replay into `run_dir`: config.json before the first request, the rest at its end."""
     system_config = target.describe()
     label = run_label(config, system_config)
     described = {

@@ -118,6 +118,10 @@ def test_a_switch_set_in_the_environment_is_part_of_the_runs_label(monkeypatch) 
     monkeypatch.setenv("STREAMBOX_DEVICE_MODE", "functional")
     on_h100 = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
     assert run_label(ReplayConfig(), on_h100) == "streambox[device_mode=functional,device_preset=h100-80gb]"
+    monkeypatch.setenv("STREAMBOX_DEVICE_PRESET", "v100-16gb")  # the replay's own device: no label
+    monkeypatch.setenv("STREAMBOX_DEVICE_MODE", "timed")  # (a replay sets it for what it starts)
+    on_v100 = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
+    assert run_label(ReplayConfig(), on_v100) == "streambox"
 
 
 @pytest.mark.parametrize(("key", "value"), [("keep_alive_s", "inf"), ("weights_keep_alive_s", "1e999")])

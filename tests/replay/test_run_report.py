@@ -16,6 +16,7 @@ import pytest
 from streambox.replay import report, run_replay
 from streambox.replay.cli import main
 from streambox.replay.report import PLOTS
+from streambox.replay.run import RUN_FILES
 from streambox.replay.target import SystemRequest, UnknownSystem, known_systems, resolve_system
 
 # Minutes 0-20 of the shipped sample (about 115 invocations), a minute per 0.02 s: 0.4 s of replay.
@@ -120,6 +121,13 @@ def test_report_writes_the_plots_and_the_comparison(tmp_path, capsys, double_cls
     assert [r["against"] for r in comparison["ratios"]] == ["stream-only", "monolithic"]
     assert comparison["ratios"][0]["mean memory (paper)"].startswith("-71%")
     assert (out / "comparison.md").read_text().count("\n| ") >= 3
+    # A baseline that replayed another workload is not set beside the paper (its ratios were printed as
+    # StreamBox's factor, with no word).
+    other = _replay(tmp_path / "other", double_cls, "stream-only", 0.02, minutes=10).run_dir
+    assert main(["report", str(runs[0]), str(other), "--out", str(tmp_path / "report2")]) == 0
+    printed = capsys.readouterr().out
+    assert "is not set beside stream-only and the paper: another workload (minutes)" in printed
+    assert json.loads((tmp_path / "report2" / "comparison.json").read_text())["ratios"] == []
 
 
 def test_two_comparisons_in_one_report_are_told_apart_and_keep_their_paper_table(tmp_path, double_cls):
@@ -236,3 +244,27 @@ def test_an_interrupted_replay_writes_what_it_measured_and_says_so(tmp_path, sig
     assert requests["stopped_by"] == "interrupted" and 0 < requests["recorded"] < requests["planned"]
     with open(out / "requests.csv") as stream:
         assert len(list(csv.DictReader(stream))) == requests["recorded"]
+
+
+def test_an_overwrite_that_stops_before_it_measured_leaves_the_previous_run_whole(tmp_path, double_cls):
+    """--overwrite, then Ctrl-C while the system deployed: summary.json was gone and config.json was the
+    new run's, beside the old run's requests; report called the folder unfinished."""
+    first = _replay(tmp_path, double_cls, "x", 0.001)
+    before = {name: (first.run_dir / name).read_bytes() for name in RUN_FILES}
+
+    class Interrupted(double_cls):  # type: ignore[misc, valid-type]
+        async def start(self) -> None:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_replay(None, workflow="traffic", system="x", out=first.run_dir, target=Interrupted(),
+                   overwrite=True, **FAST)
+    assert {name: (first.run_dir / name).read_bytes() for name in RUN_FILES} == before
+    assert sorted(p.name for p in first.run_dir.iterdir()) == sorted(RUN_FILES)
+    # A folder whose run measured requests but wrote no summary (it crashed) is not replaced unasked.
+    (first.run_dir / "summary.json").unlink()
+    with pytest.raises(ValueError, match=r"already holds a run \(requests.csv\)"):
+        run_replay(None, workflow="traffic", system="x", out=first.run_dir, target=double_cls(), **FAST)
+    again = run_replay(None, workflow="traffic", system="x", out=first.run_dir, target=double_cls(),
+                       overwrite=True, **FAST)
+    assert (again.run_dir / "summary.json").exists() and not (again.run_dir / ".previous-run").exists()
