@@ -19,7 +19,7 @@ import json
 import math
 import textwrap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ class Run:
     summary: dict[str, Any]
     samples: dict[str, np.ndarray]
     latencies_ms: np.ndarray  # of "ok" requests
+    replayed: dict[str, Any] = field(default_factory=dict)  # config.json's `config`: what was replayed
 
     def metric(self, *keys: str) -> float:
         value: Any = self.summary
@@ -92,7 +93,11 @@ def load_run(path: str | Path) -> Run:
         why = f"{type(error).__name__}: {error}"
         raise ReportError(f"{reading}: cannot be read as a replay's file ({why})") from None
     label = summary.get("label") or summary.get("system") or path.name
-    return Run(label, path, summary, samples, latencies)
+    try:  # older runs, or one whose config.json was lost: compared by their summaries alone
+        replayed = json.loads((path / "config.json").read_text()).get("config") or {}
+    except (OSError, ValueError, AttributeError):
+        replayed = {}
+    return Run(label, path, summary, samples, latencies, replayed if isinstance(replayed, dict) else {})
 
 
 def _unique_labels(runs: list[Run]) -> None:
@@ -228,6 +233,11 @@ def _plot_throughput(runs, colors, path: Path) -> None:
     plt.close(fig)
 
 
+def _slos(runs: list[Run]) -> list[float]:
+    """The SLOs the runs were measured against (a violation is counted against its own run's)."""
+    return sorted({r.metric("slo_ms") for r in runs if not math.isnan(r.metric("slo_ms"))})
+
+
 def _plot_latency_cdf(runs, colors, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for run in runs:
@@ -235,8 +245,7 @@ def _plot_latency_cdf(runs, colors, path: Path) -> None:
             values = np.sort(run.latencies_ms)
             ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post",
                     label=_wrapped(run.label, 40), color=colors[run.label], lw=1.6)
-    slo = next((r.metric("slo_ms") for r in runs if not math.isnan(r.metric("slo_ms"))), math.nan)
-    if not math.isnan(slo):
+    for slo in _slos(runs):
         ax.axvline(slo, color="red", ls="--", lw=1, label=f"SLO {slo:g} ms")
     ax.set_xscale("log")
     ax.set(title="End-to-end latency CDF (completed requests)", xlabel="latency (ms, log)", ylabel="CDF",
@@ -250,9 +259,10 @@ def _plot_latency_cdf(runs, colors, path: Path) -> None:
 
 def _plot_slo(runs, colors, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(2.6 * len(runs) + 4, 4.2))
-    slo = next((r.metric("slo_ms") for r in runs if not math.isnan(r.metric("slo_ms"))), math.nan)
+    slos = ", ".join(f"{slo:g}" for slo in _slos(runs))
     _bars(axes[0], runs, [100 * r.metric("slo_violation_rate") for r in runs], colors, "{:.1f}%")
-    axes[0].set(title=f"SLO violations (SLO {slo:g} ms)", ylabel="% of requests")
+    each = "each run's own: " if len(_slos(runs)) > 1 else ""
+    axes[0].set(title=f"SLO violations (SLO {each}{slos} ms)", ylabel="% of requests")
     _bars(axes[1], runs, [100 * r.metric("cold_start_rate") for r in runs], colors, "{:.1f}%")
     axes[1].set(title="Cold starts", ylabel="% of requests")
     fig.tight_layout()
@@ -295,9 +305,23 @@ def _options(run: Run) -> str:
     return label[len(str(run.summary.get("system", ""))):]
 
 
-def _ratios(runs: list[Run]) -> list[dict[str, str]]:
+def _not_comparable(ours: Run, other: Run) -> str | None:
+    """Why two runs' ratios would not mean what the paper's do: one was interrupted, or they replayed
+    different workloads (trace, minutes, functions, rate, SLO, ...: config.json beyond the system)."""
+    from .run import NOT_MEASURED, was_interrupted
+
+    stopped = [r.label for r in (ours, other) if was_interrupted(r.summary)]
+    if stopped:
+        return f"{stopped[0]} was interrupted"
+    mine = {k: v for k, v in ours.replayed.items() if k not in (*NOT_MEASURED, "system", "system_options")}
+    differ = sorted(k for k, v in mine.items() if k in other.replayed and other.replayed[k] != v)
+    return f"another workload ({', '.join(differ)})" if differ else None
+
+
+def _ratios(runs: list[Run], notes: list[str] | None = None) -> list[dict[str, str]]:
     """StreamBox against each baseline run with the same options (an ablation of StreamBox, whose
-    options the baselines lack, is not "StreamBox")."""
+    options the baselines lack, is not "StreamBox") that replayed the same workload, uninterrupted;
+    why a baseline is left out goes to `notes`."""
     ours = next(
         (
             r for r in runs
@@ -312,6 +336,11 @@ def _ratios(runs: list[Run]) -> list[dict[str, str]]:
     for other in runs:
         system = other.summary.get("system")
         if other is ours or system not in PAPER_CLAIMS or _options(other) != _options(ours):
+            continue
+        why = _not_comparable(ours, other)
+        if why is not None:
+            if notes is not None:
+                notes.append(f"{ours.label} is not set beside {other.label} and the paper: {why}")
             continue
         claims = PAPER_CLAIMS[system]
         mem = _ratio(ours.metric("memory", "memory_used_bytes", "mean_bytes"),
@@ -387,9 +416,12 @@ def report(
     _plot_slo(runs, colors, plots["slo_violations"])
 
     rows = [_row(run) for run in runs]
-    ratios = _ratios(runs)
+    notes: list[str] = []
+    ratios = _ratios(runs, notes)
     console = console or Console(width=max(Console().width, 170))
     console.print(_table(rows, "Replay comparison"))
+    for note in notes:
+        console.print(note)
     if ratios:
         against = Table(title="StreamBox against each baseline: this run beside the paper (ATC'24, sec. 9.1)")
         for header in ratios[0]:
@@ -400,7 +432,8 @@ def report(
     (out / "comparison.md").write_text(
         _markdown([{k: v for k, v in row.items() if k != "run"} for row in rows])
         + ("\n" + _markdown(ratios) if ratios else "")
+        + "".join(f"\n{note}\n" for note in notes)
     )
-    write_json(out / "comparison.json", {"rows": rows, "ratios": ratios, "plots": plots})
+    write_json(out / "comparison.json", {"rows": rows, "ratios": ratios, "notes": notes, "plots": plots})
     console.print(f"plots written to {out}/: " + ", ".join(p.name for p in plots.values()))
     return {"plots": plots, "rows": rows, "ratios": ratios}

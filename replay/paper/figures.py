@@ -132,7 +132,7 @@ def _summary_rows(
 
 def _finish(session: Session, figure: str, title: str, rows: list[Row], notes: list[str]) -> FigureResult:
     folder = session.out / f"fig{figure}"
-    write_table(folder, figure, title, rows, [*notes, session.machine_note()])
+    write_table(folder, figure, title, rows, [*notes, *session.runs_note(), session.machine_note()])
     return FigureResult(figure, folder, rows)
 
 
@@ -363,9 +363,10 @@ def figure_13(session: Session) -> FigureResult:
     _plot_grouped(session, "pattern", folder / "throughput_by_pattern.png", "Throughput per arrival pattern")
     _plot_grouped(session, "workflow", folder / "throughput_by_workflow.png", "Throughput per workflow")
     notes = [
-        "throughput = completed requests / the run's duration (first send to last completion); a group's "
-        "is its completed requests over the same duration; goodput counts only the requests that met the "
-        "SLO. The paper does not define its throughput; it explains its gains by requests timing out "
+        "throughput = completed requests / the run's duration (from the replay's start to its last "
+        "completion); a group's is its completed requests over the same duration; goodput counts only "
+        "the requests that met the SLO. The paper does not define its throughput; it explains its gains "
+        "by requests timing out "
         "behind cold starts, which goodput counts and an unsaturated run's throughput does not",
         "patterns are the shipped Azure sample's classification (replay/shaping.py); the paper gives no "
         "per-pattern factor, only the average; n/a: one of the two completed no request of that group",

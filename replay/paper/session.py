@@ -135,6 +135,7 @@ class Session:
     _batch16: dict[str, Path] | None = field(default=None, init=False)
     _reused: list[str] = field(default_factory=list, init=False)  # what --reuse took (for the tables' note)
     _measured: bool = field(default=False, init=False)  # whether this session measured anything
+    _labelled: dict[str, str] = field(default_factory=dict, init=False)  # system -> its runs' label
 
     @property
     def size(self) -> ReplaySize:
@@ -193,7 +194,18 @@ class Session:
         )
         if was_interrupted(results[-1].summary):
             raise KeyboardInterrupt(f"the replay comparison in {folder} was interrupted")  # no figure of it
+        for r in results:
+            self._note_label(r.config.system, str(r.summary.get("label")), r.config.labelled({}))
         return {r.config.system: r.run_dir for r in results}
+
+    def _note_label(self, system: str, label: str, asked: str) -> None:
+        if label != asked:  # options the figure did not ask for (STREAMBOX_<NAME>): an ablation
+            self._labelled[system] = label
+
+    def runs_note(self) -> list[str]:
+        """What ran under a system's name with options of its own (an ablation set in the environment,
+        `STREAMBOX_POOL_MODE=static`): its rows are that run's, not the system's as the paper ran it."""
+        return [f"the {system} rows are {label}'s" for system, label in sorted(self._labelled.items())]
 
     def _reused_comparison(
         self, folder: Path, size: ReplaySize, systems: Sequence[str] | None = None
@@ -227,6 +239,7 @@ class Session:
                 print(f"not reusing {run_dir}: it measured another run ({', '.join(differ)})", flush=True)
                 return None
             runs[system] = run_dir
+            self._note_label(system, str(stored.get("label")), wanted.labelled({}))
         print(f"reusing the replay comparison in {folder}", flush=True)
         self._reused.append(self.relative(folder))
         return runs

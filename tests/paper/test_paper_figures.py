@@ -244,6 +244,17 @@ def test_reuse_takes_only_runs_that_measured_what_the_figure_would(
     assert fresh._reused_comparison(tmp_path / "replay", QUICK) is not None
     assert fresh.machine_note().startswith("rebuilt from measurements already in the output folder "
                                              "(--reuse: replay)")
+    assert fresh.runs_note() == []
+    # An ablation asked for through the environment is what the call measures, and its tables say so
+    # (they presented StreamBox with FM and RS off as StreamBox).
+    monkeypatch.setenv("STREAMBOX_POOL_MODE", "static")
+    for system in systems:
+        store(system)
+    ablated = Session(tmp_path, quick=True, systems=systems, reuse=True)
+    assert ablated._reused_comparison(tmp_path / "replay", QUICK) is not None
+    notes = ablated.runs_note()
+    assert len(notes) == 2 and notes[1].startswith("the streambox rows are streambox[")
+    assert all(note.endswith("pool_mode=static]'s") for note in notes)
 
 
 def test_systems_a_figure_cannot_use_are_refused_before_anything_is_measured(
