@@ -13,7 +13,6 @@ mistakes are reported at once, one line each::
 from __future__ import annotations
 
 import difflib
-import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -97,6 +96,25 @@ _PLAIN_KINDS = frozenset(
 def _plain_tag(tag: str) -> bool:
     """A tag the safe loader resolves to plain data (what a YAML file gets without writing a tag)."""
     return tag.startswith(_YAML_TAG) and tag[len(_YAML_TAG) :] in _PLAIN_KINDS
+
+
+class _CoreLoader(yaml.SafeLoader):
+    """YAML 1.2's core schema for plain scalars, not PyYAML's 1.1: `yes`, `on`, `010` (octal 8), `1:30`
+    (sexagesimal 90), `1_000` and dates stay text, which a typed field then refuses by name, and
+    `2e2` is a number. true/false, null/~, decimal and 0x/0o integers, floats with .inf and .nan."""
+
+    yaml_implicit_resolvers: dict = {}  # noqa: RUF012 - PyYAML's class-level table, this loader's own
+
+
+for _tag, _pattern, _first in (
+    ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+    ("int", r"^(?:[-+]?(?:0|[1-9][0-9]*)|0x[0-9a-fA-F]+|0o[0-7]+)$", "-+0123456789"),
+    ("float", r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
+              r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", "-+.0123456789"),
+    ("merge", r"^(?:<<)$", "<"),
+):
+    _CoreLoader.add_implicit_resolver(f"{_YAML_TAG}{_tag}", re.compile(_pattern), list(_first))
 
 
 class _Document:
@@ -241,20 +259,7 @@ def _pydantic_issues(doc: _Document, error: ValidationError) -> None:
             what = _PATTERNS[err["ctx"]["pattern"]]
             doc.issue(tuple(p for p in loc if p != "[key]"), f"{err['input']!r} is not {what}")
         else:
-            doc.issue(loc, f"{err['msg']} (got {_short(err['input'])}){_yaml_number_hint(err)}")
-
-
-def _yaml_number_hint(err: Any) -> str:
-    """YAML 1.1 reads `2e2` (no dot) as text: say how to write it as a number."""
-    value = err["input"]
-    if err["type"] not in ("float_type", "int_type") or not isinstance(value, str):
-        return ""
-    if not re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):  # not exponent notation: a quoted value
-        return ""
-    number = float(value)
-    if not math.isfinite(number):
-        return "; YAML reads it as text, and it is beyond a float's range"
-    return f"; YAML reads {value} as text: write it with a dot and a signed exponent ({number:.1e})"
+            doc.issue(loc, f"{err['msg']} (got {_short(err['input'])})")
 
 
 def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -> WorkflowSpec:
@@ -359,7 +364,7 @@ def parse_spec(
     """Validate YAML text; raises `WorkflowValidationError` listing every mistake."""
     doc = _Document(file)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_CoreLoader)
         if root is not None:
             doc.marks[()] = root.start_mark
         data = doc.build(root) if root is not None else None

@@ -292,6 +292,23 @@ def test_a_value_its_tag_refuses_is_named_and_a_merged_key_may_be_overridden():
     ]
 
 
+def test_plain_values_are_read_as_yaml_1_2_not_1_1():
+    """PyYAML's YAML 1.1 read max_instances: 010 as 8, 1:30 as 90 and fan_out: yes as true, past a
+    schema that calls yes for a flag a mistake; 2e2 was text."""
+    head = "name: demo\nslo_ms: 2e2\nfunctions:\n"
+    spec = parse_spec(head + "  a: {handler: wf_test_handlers:echo, params: {t: 1:30, d: 2024-01-01}}\n",
+                      "demo.yaml", HERE)
+    assert spec.slo_ms == 200 and spec.functions["a"].params == {"t": "1:30", "d": "2024-01-01"}
+    assert errors(head + "  a: {handler: wf_test_handlers:echo, max_instances: 010}\n") == [
+        "demo.yaml:4:39: functions.a.max_instances: Input should be a valid integer (got '010')"
+    ]
+    fan = head + (
+        "  a: {handler: wf_test_handlers:split}\n  b: {handler: wf_test_handlers:echo}\n"
+        "edges:\n  - {from: a, to: b, fan_out: yes}\n"
+    )
+    assert errors(fan) == ["demo.yaml:7:22: edges[0].fan_out: Input should be a valid boolean (got 'yes')"]
+
+
 def test_validate_file_names_the_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("name: demo\nslo_ms: 100\nfunctions:\n  a: {handler: my_handlers:run, models: [gpt5]}\n")
@@ -322,10 +339,9 @@ def test_a_long_chain_validates_and_a_long_cycle_is_found(tmp_path):
 
 def test_params_are_json_values_that_fit_the_wire():
     head = "name: demo\nslo_ms: 100\nfunctions:\n  a: {handler: wf_test_handlers:echo, params: "
-    assert errors(head + "{when: 2024-01-01, ratio: .nan}}\n") == [
-        "demo.yaml:4:48: functions.a.params.when: input was not a valid JSON value "
-        "(got datetime.date(2024, 1, 1))",
-        "demo.yaml:4:66: functions.a.params.ratio.float: Input should be a finite number (got nan)",
+    assert errors(head + "{raw: !!binary aGk=, ratio: .nan}}\n") == [
+        "demo.yaml:4:48: functions.a.params.raw: input was not a valid JSON value (got b'hi')",
+        "demo.yaml:4:68: functions.a.params.ratio.float: Input should be a finite number (got nan)",
     ]
     (big,) = errors(head + "{n: [1, 18446744073709551616]}}\n")
     assert "the integer 18446744073709551616 does not fit 64 bits" in big
