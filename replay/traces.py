@@ -323,6 +323,22 @@ def _rows(path: Path) -> Iterator[tuple[int, dict[str, str]]]:
                 yield number, row
 
 
+def _non_negative(path: Path, number: int, row: dict[str, str], column: str) -> float:
+    """A duration, count or size: a number, not below 0."""
+    value = _number(path, number, row, column)
+    if value < 0:
+        raise TraceFormatError(f"{path}, line {number}: column {column} is {row[column]!r}, below 0")
+    return value
+
+
+def _key(path: Path, number: int, row: dict[str, str], column: str) -> str:
+    """A hash naming a function or app: not empty."""
+    value = (row.get(column) or "").strip()
+    if not value:
+        raise TraceFormatError(f"{path}, line {number}: column {column} is empty")
+    return value
+
+
 def _number(path: Path, number: int, row: dict[str, str], column: str) -> float:
     try:
         value = float(row[column])
@@ -342,8 +358,8 @@ def read_durations(path: str | Path) -> dict[tuple[str, str], DurationStats]:
     _check_columns(path, header, ("HashFunction",) + DURATION_COLUMNS, "durations")
     result = {}
     for number, row in _rows(path):
-        values = [_number(path, number, row, column) for column in DURATION_COLUMNS]
-        result[(row.get("HashApp", "") or "", row["HashFunction"])] = DurationStats(
+        values = [_non_negative(path, number, row, column) for column in DURATION_COLUMNS]
+        result[(row.get("HashApp", "") or "", _key(path, number, row, "HashFunction"))] = DurationStats(
             values[0], int(values[1]), values[2], values[3], tuple(values[4:])
         )
     return result
@@ -363,8 +379,9 @@ def read_memory(path: str | Path) -> tuple[dict[str, MemoryStats], str]:
         raise _layout_error(path, header, "a memory layout without HashApp or HashFunction")
     result = {}
     for number, row in _rows(path):
-        values = [_number(path, number, row, column) for column in MEMORY_COLUMNS]
-        result[row[key_column]] = MemoryStats(scope, int(values[0]), values[1], tuple(values[2:]))
+        values = [_non_negative(path, number, row, column) for column in MEMORY_COLUMNS]
+        key = _key(path, number, row, key_column)
+        result[key] = MemoryStats(scope, int(values[0]), values[1], tuple(values[2:]))
     return result, scope
 
 

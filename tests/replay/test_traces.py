@@ -175,3 +175,26 @@ def test_duration_quantiles_interpolate_between_published_percentiles():
     assert zero.quantile(0.5) == 140.0
     assert zero.quantile(0.375) == pytest.approx((107 + 140) / 2)
     assert zero.quantile(1.0) == 4084.0
+
+
+def test_durations_and_memory_are_never_negative_and_name_their_function(tmp_path):
+    """A negative Average, Count or percentile was taken as it was; an empty HashFunction too."""
+    from streambox.replay.traces import DURATION_COLUMNS, MEMORY_COLUMNS
+
+    durations = tmp_path / "durations.csv"
+    header = "HashOwner,HashApp,HashFunction," + ",".join(DURATION_COLUMNS)
+    cells = ["5"] * len(DURATION_COLUMNS)
+    durations.write_text(f"{header}\no,a,f,{','.join(cells)}\n")
+    assert read_durations(durations)[("a", "f")].average_ms == 5
+    cells[1] = "-1"
+    durations.write_text(f"{header}\no,a,f,{','.join(cells)}\n")
+    with pytest.raises(TraceFormatError, match=r"durations.csv, line 2: column Count is '-1', below 0"):
+        read_durations(durations)
+    durations.write_text(f"{header}\no,a, ,{','.join(['5'] * len(DURATION_COLUMNS))}\n")
+    with pytest.raises(TraceFormatError, match=r"line 2: column HashFunction is empty"):
+        read_durations(durations)
+    memory = tmp_path / "memory.csv"
+    rest = ",3" * (len(MEMORY_COLUMNS) - 2)
+    memory.write_text("HashApp," + ",".join(MEMORY_COLUMNS) + f"\na,1,-2{rest}\n")
+    with pytest.raises(TraceFormatError, match=r"column AverageAllocatedMb is '-2', below 0"):
+        read_memory(memory)
