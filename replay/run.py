@@ -199,6 +199,14 @@ def build_workload(config: ReplayConfig) -> Workload:
             f"[{config.start_minute}, {config.start_minute + config.minutes}) with patterns "
             f"{list(config.patterns) or 'any'}"
         )
+    if len(chosen) < config.functions:  # said, not silent: the run's rate is that of fewer functions
+        print(
+            f"replay: {len(chosen)} functions of {config.trace or SAMPLE_NAME} have invocations in trace "
+            f"minutes [{config.start_minute}, {config.start_minute + config.minutes})"
+            f"{' with patterns ' + ','.join(config.patterns) if config.patterns else ''}; replaying those "
+            f"{len(chosen)}, not the {config.functions} asked for (--functions)",
+            file=sys.stderr,
+        )
     keys = [c.key for c in chosen]
     mapping = map_to_workflows(keys, config.workflows, config.mapping, config.explicit_mapping)
     arrivals = build_arrivals(

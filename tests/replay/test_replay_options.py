@@ -166,3 +166,12 @@ def test_a_comparison_refuses_a_finished_run_in_its_folder_before_its_first_repl
     with pytest.raises(ValueError, match=r"stream-only already hold\(s\) a run .* or --overwrite"):
         run_comparison(["inprocess-cpu", "stream-only"], out=tmp_path, minutes=1)
     assert not (tmp_path / "inprocess-cpu").exists()  # nothing replayed first
+
+
+def test_fewer_functions_than_asked_are_said(capsys) -> None:
+    """--functions 100000 replayed the sample's few without a word: the run's rate is theirs."""
+    from streambox.replay.run import build_workload, replay_config
+
+    workload = build_workload(replay_config(functions=100_000, minutes=2))
+    err = capsys.readouterr().err
+    assert f"replaying those {len(workload.chosen)}, not the 100000 asked for (--functions)" in err
