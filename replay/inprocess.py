@@ -14,6 +14,7 @@ and live activations.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,14 @@ class InProcessOptions:
     batch: int = 8
     runtime_mib: float = 4.0  # per-instance runtime buffer
 
+    def __post_init__(self) -> None:
+        positive = ("slots", "layers", "batch", "model_mib")  # the rest may be 0: no buffer, no keep-alive
+        for name in ("slots", "layers", "batch", "model_mib", "runtime_mib", "keep_alive_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (name in positive and value <= 0):
+                allowed = "above 0" if name in positive else "0 or more"
+                raise ValueError(f"inprocess-cpu: {name} {value!r} must be {allowed}")
+
     @classmethod
     def from_strings(cls, options: dict[str, str]) -> InProcessOptions:
         known = {f.name: f.type for f in fields(cls)}
@@ -44,7 +53,13 @@ class InProcessOptions:
         if unknown:
             raise ValueError(f"inprocess-cpu: unknown options {unknown}; known: {', '.join(known)}")
         casts = {"int": int, "float": float}
-        return cls(**{k: casts[str(known[k])](v) for k, v in options.items()})
+        values = {}
+        for key, value in options.items():
+            try:
+                values[key] = casts[str(known[key])](value)
+            except ValueError:
+                raise ValueError(f"inprocess-cpu: {key} {value!r} is not a number ({known[key]})") from None
+        return cls(**values)
 
 
 class _Instance:

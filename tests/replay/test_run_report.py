@@ -82,6 +82,10 @@ def test_registry_resolves_and_names_the_known_systems():
     assert {"streambox", "stream-only", "monolithic"} <= set(known_systems())
     with pytest.raises(ValueError, match="unknown options"):
         resolve_system("inprocess-cpu", SystemRequest("inprocess-cpu", ("traffic",), options={"FM": "off"}))
+    for options, says in (({"model_mib": "-1"}, "model_mib -1.0 must be above 0"),  # every request failed
+                          ({"slots": "two"}, "slots 'two' is not a number \\(int\\)")):
+        with pytest.raises(ValueError, match=says):
+            resolve_system("inprocess-cpu", SystemRequest("inprocess-cpu", ("traffic",), options=options))
 
 
 def test_inprocess_target_through_the_registry(tmp_path):
