@@ -262,6 +262,14 @@ def _pydantic_issues(doc: _Document, error: ValidationError) -> None:
             doc.issue(loc, f"{err['msg']} (got {_short(err['input'])})")
 
 
+def _check_edges(doc: _Document, spec: WorkflowSpec) -> None:
+    """A bound that bounds nothing is a slip, as batching's half-settings are."""
+    for i, edge in enumerate(spec.edges):
+        if "max_items" in edge.model_fields_set and not edge.fan_out:
+            doc.issue(("edges", i, "max_items"), "bounds the items of a fan_out edge; this edge does not fan "
+                      "out (fan_out: true), so it would do nothing")
+
+
 def _check_functions(doc: _Document, spec: WorkflowSpec, check_handlers: bool) -> WorkflowSpec:
     declared_by = _check_handlers(doc, spec) if check_handlers else {}
     filled: dict[str, FunctionSpec] = {}
@@ -403,6 +411,7 @@ def parse_spec(
         raise WorkflowValidationError(doc.issues) from None
     for loc, message in check_graph(spec):
         doc.issue(loc, message)
+    _check_edges(doc, spec)
     spec = _check_functions(doc, spec, check_handlers)
     if doc.issues:
         raise WorkflowValidationError(doc.issues)

@@ -307,6 +307,11 @@ def test_plain_values_are_read_as_yaml_1_2_not_1_1():
         "edges:\n  - {from: a, to: b, fan_out: yes}\n"
     )
     assert errors(fan) == ["demo.yaml:7:22: edges[0].fan_out: Input should be a valid boolean (got 'yes')"]
+    bound = fan.replace("fan_out: yes", "max_items: 5")  # bounds nothing: the edge does not fan out
+    assert errors(bound) == [
+        "demo.yaml:7:22: edges[0].max_items: bounds the items of a fan_out edge; this edge does not fan out "
+        "(fan_out: true), so it would do nothing"
+    ]
 
 
 def test_validate_file_names_the_file(tmp_path):
