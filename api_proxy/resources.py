@@ -96,6 +96,9 @@ class Resources:
         self.plans: dict[PlanKey, KernelPlan] = {}
         self.lowerings: dict[PlanKey, Future[KernelPlan]] = {}
         self.failed_lowerings: dict[PlanKey, str] = {}  # deterministic: not lowered again
+        # A registered model named without its version ("tiny"), resolved once: the proxy serves that
+        # version for its life (a later `models add tiny` made batch 4 run tiny@2 beside batch 1's tiny@1).
+        self.pinned: dict[str, str] = {}
         # Work the dispatcher must not wait for: plans read or lowered, weights issued by the daemon.
         self._lower_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="streambox-lower")
         self._wait_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="streambox-issue")
@@ -118,10 +121,19 @@ class Resources:
         return event
 
     # -- plans and weights ---------------------------------------------------------------------
+    def pin(self, model: str) -> str:
+        """`model` as this proxy serves it: a zoo name or `name@version` as given, a registered name
+        without a version as the version it named at its first use (`pinned`)."""
+        if model in self.pinned or "@" in model:
+            return self.pinned.get(model, model)
+        resolved = self.model_pool.entry(model).name  # zoo: the name; registered: its latest `name@version`
+        return self.pinned.setdefault(model, resolved)
+
     def load(self, model: str, batch: int, shape: tuple[int, ...] | None = None) -> KernelPlan:
         """The plan of (model, batch, input shape without the batch; None: the configured default
         shape), its weights resident. A plan the model pool lacks is lowered here, once (blocking:
         for start-up; at serve time `plan_for` reads or lowers plans on a helper thread)."""
+        model = self.pin(model)
         if shape is None:
             entry = self.model_pool.entry(model)  # zoo or registered; UnknownModelError names both
             small = entry.small_input_shape if self.model_shapes == "small" else None
@@ -146,6 +158,7 @@ class Resources:
     def plan_for(self, model: str, batch: int, shape: tuple[int, ...]) -> Generator[Wait, Any, KernelPlan]:
         """The plan of (model, batch, shape): the proxy's, else read from the model pool or lowered on
         a helper thread (once however many calls want it) while the caller waits."""
+        model = self.pin(model)
         key = (model, batch, shape)
         plan = self.plans.get(key)
         if plan is not None:

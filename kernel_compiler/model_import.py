@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from . import cost_model
 from .lowering import LoweringError, lower_program
 from .plan import KernelPlan
 from .reference import plan_outputs
@@ -137,10 +138,13 @@ def lower_for(
     elif program is None and not isinstance(eager, torch.fx.GraphModule):  # a .pt2's has no modes
         eager.eval()
     try:
-        if program is None:
-            with torch.no_grad():
-                program = torch.export.export(eager, (example,))
-        ep = program.run_decompositions()  # default table: core ATen
+        # torch.export and its decompositions push global dispatch modes: two at once (a proxy lowers on
+        # two helper threads) corrupt each other's ("Trying to pop empty mode stack").
+        with cost_model.TORCH_MODE_LOCK:
+            if program is None:
+                with torch.no_grad():
+                    program = torch.export.export(eager, (example,))
+            ep = program.run_decompositions()  # default table: core ATen
         _refuse_control_flow(ep.graph)
         plan = lower_program(ep, ref, int(example.shape[0]), list(example.shape[1:]), example.dtype)
         plan.meta["lowering_s"] = round(time.perf_counter() - start, 3)

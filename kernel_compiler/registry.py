@@ -71,7 +71,7 @@ MANIFEST = "model.json"
 SOURCE_PT2 = "source.pt2"
 STATE_FILE = "state.safetensors"
 DEFAULT_PRESET = "v100-16gb"
-NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
+NAME_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,63}")  # whole names only (`fullmatch`: "$" took "x\n")
 #: Elements of one input sample a registered model may take (a 4K RGB image is 25 million).
 MAX_INPUT_ELEMENTS = 1 << 26
 
@@ -126,7 +126,7 @@ class ModelRecord:
 def parse_ref(text: str) -> tuple[str, int | None]:
     """``"face@2"`` -> ``("face", 2)``; ``"face"`` -> ``("face", None)`` (the latest)."""
     name, at, version = text.partition("@")
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):
         raise ValueError(
             f"model name {name!r} must be lower-case letters, digits, '_' or '-', starting with a letter"
         )
@@ -148,13 +148,23 @@ def _versions(root: Path, name: str) -> list[int]:
     return sorted(found)
 
 
+#: Beside the pool's models, `name@version.removed` marks a removed version: a version number names
+#: one model for good (a process pinned to `tiny@2` must never get another model under that name).
+REMOVED_SUFFIX = ".removed"
+
+
+def _removed_versions(root: Path, name: str) -> list[int]:
+    found = [p.name[len(name) + 1 : -len(REMOVED_SUFFIX)] for p in root.glob(f"{name}@*{REMOVED_SUFFIX}")]
+    return [int(v) for v in found if v.isdigit()]
+
+
 def read_record(model_dir: Path) -> ModelRecord:
     return ModelRecord.from_json((model_dir / MANIFEST).read_text())
 
 
 def find(root: Path, ref: str) -> ModelRecord | None:
     """The registered version ``ref`` names (``name``: the latest), or None."""
-    if "@" not in ref and not NAME_PATTERN.match(ref):
+    if "@" not in ref and not NAME_PATTERN.fullmatch(ref):
         return None
     try:
         name, version = parse_ref(ref)
@@ -406,7 +416,7 @@ def register(
         source = _from_factory(str(factory), weights, input_shape, input_dtype)
 
     root.mkdir(parents=True, exist_ok=True)
-    number = (_versions(root, base) or [0])[-1] + 1
+    number = max([0, *_versions(root, base), *_removed_versions(root, base)]) + 1
     ref = f"{base}@{number}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{ref}-", dir=root))
     try:
@@ -487,5 +497,6 @@ def remove(root: Path | str, ref: str, *, force: bool = False) -> list[str]:
                 continue
             finally:
                 shutil.rmtree(trash, ignore_errors=True)
+            (root / f"{found}{REMOVED_SUFFIX}").touch()  # its number is never given to another model
             gone.append(found)
         return gone

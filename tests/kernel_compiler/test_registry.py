@@ -298,3 +298,36 @@ def test_force_removes_a_version_in_use(tmp_path, factory_module):
         assert registry.registered(root) == []
     finally:
         holder.communicate("", timeout=60)
+
+
+def test_a_version_number_names_one_model_for_good(tmp_path, factory_module):
+    """Removing net@2 and adding net again gave the new model the number 2: a process pinned to net@2
+    (and the plans it cached under it) got another model under the same name."""
+    root = tmp_path / "pool"
+    for _ in range(2):
+        registry.register(root, "net", factory=f"{factory_module.__name__}:build")
+    assert registry.remove(root, "net@2") == ["net@2"]
+    assert registry.register(root, "net", factory=f"{factory_module.__name__}:build").ref == "net@3"
+    assert [r.ref for r in registry.registered(root)] == ["net@1", "net@3"]
+    assert registry.find(root, "net@2") is None and registry.find(root, "net").ref == "net@3"
+
+
+def test_a_name_with_a_trailing_newline_is_refused():
+    """`^...$` matched "resnet18\n", which then passed the zoo-name check and made a folder of it."""
+    with pytest.raises(ValueError, match="model name 'resnet18\\\\n' must be"):
+        registry.parse_ref("resnet18\n")
+
+
+def test_lowerings_of_one_model_on_several_threads_all_succeed(tmp_path, factory_module):
+    """A proxy lowers new batch sizes on two helper threads: torch.export's global dispatch modes,
+    pushed by two at once, corrupted each other ("Trying to pop empty mode stack")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from streambox.kernel_compiler.model_pool import ModelPool
+
+    root = tmp_path / "pool"
+    registry.register(root, "net", factory=f"{factory_module.__name__}:build")
+    pool = ModelPool(root)
+    with ThreadPoolExecutor(4) as lower:
+        plans = list(lower.map(lambda b: pool.get_or_lower("net", b), range(2, 10)))
+    assert [p.batch for p in plans] == list(range(2, 10))

@@ -4,6 +4,7 @@ proxy (emulated device, functional mode): the outputs equal eager torch's."""
 from __future__ import annotations
 
 import asyncio
+import os
 import textwrap
 
 import pytest
@@ -42,6 +43,8 @@ HANDLERS = textwrap.dedent(
     def classify(ctx, event):
         x = torch.tensor(event["x"], dtype=torch.float32)
         (a,) = ctx.infer("net", x)
+        if event.get("net_only"):
+            return {"net": ctx.download(a).tolist()}
         (b,) = ctx.infer("other@1", x)
         return {"net": ctx.download(a).tolist(), "other": ctx.download(b).tolist()}
     """
@@ -63,6 +66,9 @@ def test_registered_factory_and_pt2_models_run_on_the_proxy_like_eager_torch(tmp
     (tmp_path / "byom_models.py").write_text(MODELS)
     (tmp_path / "byom_handlers.py").write_text(HANDLERS)
     monkeypatch.syspath_prepend(str(tmp_path))
+    # The proxy lowers a new batch size of "net" from its factory: its module must import there too.
+    paths = [str(tmp_path), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
     import byom_models
 
     registry.register(pool, "net", factory="byom_models:build")
@@ -81,19 +87,29 @@ def test_registered_factory_and_pt2_models_run_on_the_proxy_like_eager_torch(tmp
     config = Config.from_env().with_overrides(state_dir=tmp_path / "state")
     assert config.model_pool == pool
 
-    async def scenario() -> dict:
+    x2 = torch.rand(2, 3, 10, 10, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want_net2 = net(x2)
+
+    async def scenario() -> tuple[dict, dict]:
         engine = Engine(ProxyInvoker(config, proxy_options={"prefork": 1}))
         try:
             await engine.deploy(spec)
             result = await engine.run("byom", {"x": x.tolist()})
             assert result.ok, result.error
-            return result.output
+            # A new version of "net" while it is served: the proxy keeps the version it resolved
+            # "net" to (a new batch size ran net@2 beside batch 1's net@1).
+            registry.register(pool, "net", factory="byom_models:build_other")
+            again = await engine.run("byom", {"x": x2.tolist(), "net_only": True})
+            assert again.ok, again.error
+            return result.output, again.output
         finally:
             await engine.close()
 
-    output = asyncio.run(scenario())
+    output, again = asyncio.run(scenario())
     torch.testing.assert_close(torch.tensor(output["net"]), want_net)
     torch.testing.assert_close(torch.tensor(output["other"]), want_other)
+    torch.testing.assert_close(torch.tensor(again["net"]), want_net2)
 
 
 def test_a_workflow_naming_an_unregistered_model_is_refused_with_the_known_ones(tmp_path, monkeypatch):
