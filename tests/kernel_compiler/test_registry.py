@@ -44,6 +44,18 @@ FACTORY = textwrap.dedent(
         def forward(self, x):
             return x * x.max().item()
 
+    class Loud(nn.Module):  # one output of millions beside one of ones
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return x * 1e6, self.fc(x)
+
+    def build_loud():
+        torch.manual_seed(3)
+        return Loud(), (4,)
+
     def broken():
         raise KeyError("boom")
 
@@ -331,3 +343,19 @@ def test_lowerings_of_one_model_on_several_threads_all_succeed(tmp_path, factory
     with ThreadPoolExecutor(4) as lower:
         plans = list(lower.map(lambda b: pool.get_or_lower("net", b), range(2, 10)))
     assert [p.batch for p in plans] == list(range(2, 10))
+
+
+def test_verify_checks_each_output_against_its_own_size(tmp_path, factory_module):
+    """The tolerance was the largest value over all outputs: a bias of 30 written into the small output's
+    plan weights passed verify beside an output of millions."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path / "pool"
+    record = registry.register(root, "loud", factory=f"{factory_module.__name__}:build_loud")
+    (weights,) = (root / record.ref).glob("b1_*/weights.safetensors")
+    tensors = load_file(weights)
+    (bias,) = [k for k, t in tensors.items() if t.shape == (2,)]
+    tensors[bias] = torch.full((2,), 30.0)
+    save_file(tensors, weights)
+    with pytest.raises(registry.ModelRegistrationError, match="differs from eager torch by .* in output 1"):
+        registry.verify(root, "loud")
