@@ -16,6 +16,7 @@ import contextlib
 import math
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from streambox.comm.store_protocol import Store
 from streambox.device import Event, Runtime, Stream
 from streambox.device.base import contiguous_strides
 from streambox.io_daemon import CopyRequest, IODaemon
+from streambox.kernel_compiler.isolated_lowering import lower_in_child
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.phases import COMM, MODEL_LOAD
@@ -175,7 +177,11 @@ class Resources:
                     f"the limit (MAX_PLANS_PER_MODEL); batch {batch}, shape {list(shape)} would be "
                     "another: resize the inputs to a shape already used"
                 )
-            future = self._lower_pool.submit(self.model_pool.get_or_lower, model, batch, shape)
+            # A registered model's lowering runs its author's code: in a process of its own, not this one.
+            lower = self.model_pool.get_or_lower
+            if "@" in model:  # pinned: a registered model
+                lower = partial(lower_in_child, self.model_pool.root)
+            future = self._lower_pool.submit(lower, model, batch, shape)
             self.lowerings[key] = future
             future.add_done_callback(lambda f: self._post(lambda: self._lowered(key, f)))
         shape_text = "x".join(map(str, shape))

@@ -117,3 +117,61 @@ def test_a_workflow_naming_an_unregistered_model_is_refused_with_the_known_ones(
     text = SPEC.replace('{handler: "byom_handlers:classify"}', '{handler: "h:f", models: [ghost]}')
     with pytest.raises(ValueError, match=r"unknown model 'ghost'; known models: .*resnet18"):
         parse_spec(text, "byom.yaml", base_dir=tmp_path, check_handlers=False)
+
+
+FRAGILE = textwrap.dedent(
+    """
+    import os
+    import torch
+    from torch import nn
+
+    def build():  # the author's code exits the process it runs in once FLAG exists
+        if os.path.exists(os.environ["FRAGILE_FLAG"]):
+            os._exit(7)
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(4, 2)), (4,)
+    """
+)
+
+FRAGILE_HANDLERS = textwrap.dedent(
+    """
+    import torch
+    import streambox
+
+    @streambox.function(models=["fragile"])
+    def run(ctx, event):
+        (y,) = ctx.infer("fragile", torch.ones(event["batch"], 4))
+        return ctx.download(y).tolist()
+    """
+)
+
+
+def test_a_factory_that_exits_fails_its_lowering_only(tmp_path, monkeypatch):
+    """A registered model's factory ran in the proxy when a new batch size was lowered: os._exit there
+    ended the proxy and every call in flight (`ProxyDied`), again at each new batch."""
+    pool, flag = tmp_path / "pool", tmp_path / "flag"
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(pool))
+    monkeypatch.setenv("FRAGILE_FLAG", str(flag))
+    (tmp_path / "fragile_models.py").write_text(FRAGILE)
+    (tmp_path / "fragile_handlers.py").write_text(FRAGILE_HANDLERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    paths = [str(tmp_path), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+    registry.register(pool, "fragile", factory="fragile_models:build")
+    text = "name: fragile\nslo_ms: 5000\nfunctions:\n  run: {handler: 'fragile_handlers:run'}\n"
+    spec = parse_spec(text, "fragile.yaml", base_dir=tmp_path)
+    config = Config.from_env().with_overrides(state_dir=tmp_path / "state")
+
+    async def scenario() -> tuple:
+        engine = Engine(ProxyInvoker(config, proxy_options={"prefork": 1}))
+        try:
+            await engine.deploy(spec)
+            flag.touch()
+            failed = await engine.run("fragile", {"batch": 3})  # a new batch size: lowered now
+            return failed, await engine.run("fragile", {"batch": 1})  # the proxy still serves
+        finally:
+            await engine.close()
+
+    failed, served = asyncio.run(scenario())
+    assert failed.status == "error" and "its process exited with code 7, saying nothing" in failed.error
+    assert served.ok, served.error

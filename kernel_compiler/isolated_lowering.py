@@ -1,0 +1,57 @@
+"""Lowering a registered model in a process of its own.
+
+A registered model is built by its author's code (the factory's module import, the factory, its
+weights' loading), which a proxy would otherwise run on its helper threads, in the process that serves
+every function of the workflow: a factory that calls `os._exit`, crashes the interpreter or hangs took
+the proxy and every call in flight down with it. `lower_in_child` runs `ModelPool.get_or_lower` in a
+child Python process that writes the plan into the pool (its usual place, all or nothing) and reads it
+back here; the child's failure fails that lowering only, and names what the child said.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from .model_pool import ModelPool
+from .plan import KernelPlan
+
+#: The longest one lowering may take in its child (a large model lowers in tens of seconds).
+LOWER_TIMEOUT_S = 900.0
+
+
+class IsolatedLoweringFailed(RuntimeError):
+    """The child lowering a registered model failed, exited or ran past its time: the message says how."""
+
+
+def lower_in_child(
+    root: Path, model: str, batch: int, shape: tuple[int, ...], timeout_s: float = LOWER_TIMEOUT_S
+) -> KernelPlan:
+    """The plan of (model, batch, shape) from the pool at `root`, lowered in a child process if the
+    pool lacks it."""
+    command = [sys.executable, "-m", __name__, str(root), model, str(batch), ",".join(map(str, shape))]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise IsolatedLoweringFailed(f"lowering {model} for batch {batch} ran past {timeout_s:g} s") from None
+    if done.returncode != 0:
+        said = [line for line in done.stderr.splitlines() if line.strip()]
+        why = said[-1] if said else f"its process exited with code {done.returncode}, saying nothing"
+        raise IsolatedLoweringFailed(why[:2000])
+    return ModelPool(root).get_or_lower(model, batch, shape)  # on disk now: read, not lowered
+
+
+def main(argv: list[str]) -> int:
+    root, model, batch, shape = argv
+    try:
+        ModelPool(Path(root)).get_or_lower(model, int(batch), tuple(int(d) for d in shape.split(",") if d))
+    except Exception as error:  # noqa: BLE001 - the author's code may raise anything: said, in one line
+        message = " ".join(str(error).split())
+        print(f"{type(error).__name__}: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
