@@ -60,15 +60,20 @@ SPEC = textwrap.dedent(
 )
 
 
-def test_registered_factory_and_pt2_models_run_on_the_proxy_like_eager_torch(tmp_path, monkeypatch):
-    pool = tmp_path / "pool"
-    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(pool))
-    (tmp_path / "byom_models.py").write_text(MODELS)
-    (tmp_path / "byom_handlers.py").write_text(HANDLERS)
+def _modules(tmp_path, monkeypatch, **sources: str):
+    """The test's model and handler modules, importable here and in the processes a proxy starts (it
+    lowers a registered model's new batch sizes from its factory in a child); returns the model pool."""
+    for name, source in sources.items():
+        (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    # The proxy lowers a new batch size of "net" from its factory: its module must import there too.
     paths = [str(tmp_path), os.environ.get("PYTHONPATH")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(tmp_path / "pool"))
+    return tmp_path / "pool"
+
+
+def test_registered_factory_and_pt2_models_run_on_the_proxy_like_eager_torch(tmp_path, monkeypatch):
+    pool = _modules(tmp_path, monkeypatch, byom_models=MODELS, byom_handlers=HANDLERS)
     import byom_models
 
     registry.register(pool, "net", factory="byom_models:build")
@@ -149,14 +154,9 @@ FRAGILE_HANDLERS = textwrap.dedent(
 def test_a_factory_that_exits_fails_its_lowering_only(tmp_path, monkeypatch):
     """A registered model's factory ran in the proxy when a new batch size was lowered: os._exit there
     ended the proxy and every call in flight (`ProxyDied`), again at each new batch."""
-    pool, flag = tmp_path / "pool", tmp_path / "flag"
-    monkeypatch.setenv("STREAMBOX_MODEL_POOL", str(pool))
+    pool = _modules(tmp_path, monkeypatch, fragile_models=FRAGILE, fragile_handlers=FRAGILE_HANDLERS)
+    flag = tmp_path / "flag"
     monkeypatch.setenv("FRAGILE_FLAG", str(flag))
-    (tmp_path / "fragile_models.py").write_text(FRAGILE)
-    (tmp_path / "fragile_handlers.py").write_text(FRAGILE_HANDLERS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    paths = [str(tmp_path), os.environ.get("PYTHONPATH")]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
     registry.register(pool, "fragile", factory="fragile_models:build")
     text = "name: fragile\nslo_ms: 5000\nfunctions:\n  run: {handler: 'fragile_handlers:run'}\n"
     spec = parse_spec(text, "fragile.yaml", base_dir=tmp_path)
