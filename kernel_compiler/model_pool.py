@@ -105,6 +105,7 @@ class ModelPool:
         if not (final / PLAN_FILE).exists():
             plan = self._lower_entry(entry, batch, shape)
             final.parent.mkdir(parents=True, exist_ok=True)
+            registry.sweep_unfinished(final.parent)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
             try:
                 plan.save(tmp)
@@ -150,9 +151,10 @@ class ModelPool:
                 if d.name.startswith(".") or not (d / PLAN_FILE).exists():
                     continue
                 batch, _, shape = d.name.partition("_")
-                entries.append(
-                    PoolEntry(model_dir.name, int(batch[1:]), tuple(int(s) for s in shape.split("x")), d)
-                )
+                dims = shape.split("x") if shape else []
+                if not batch[1:].isdigit() or not all(x.isdigit() for x in dims):
+                    continue  # not a plan folder's name (`b<batch>_<shape>`): none of ours
+                entries.append(PoolEntry(model_dir.name, int(batch[1:]), tuple(int(x) for x in dims), d))
         return sorted(entries, key=lambda e: (e.model, e.batch, e.input_shape))
 
     def _lower_entry(self, entry: ModelEntry, batch: int, shape: tuple[int, ...]) -> KernelPlan:

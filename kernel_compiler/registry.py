@@ -74,6 +74,7 @@ DEFAULT_PRESET = "v100-16gb"
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,63}")  # whole names only (`fullmatch`: "$" took "x\n")
 #: Elements of one input sample a registered model may take (a 4K RGB image is 25 million).
 MAX_INPUT_ELEMENTS = 1 << 26
+MAX_EXAMPLE_ELEMENTS = 1 << 28  # a registered batch's example: 1 GiB of float32
 
 
 @dataclass
@@ -151,6 +152,24 @@ def _versions(root: Path, name: str) -> list[int]:
 #: Beside the pool's models, `name@version.removed` marks a removed version: a version number names
 #: one model for good (a process pinned to `tiny@2` must never get another model under that name).
 REMOVED_SUFFIX = ".removed"
+
+
+#: A registration's or lowering's working folder (`.tmp-*`, `.trash-*`) older than this was left by a
+#: process that was killed meanwhile: it is removed (a live one renames its folder within minutes).
+UNFINISHED_AGE_S = 6 * 3600.0
+
+
+def sweep_unfinished(folder: Path, age_s: float = UNFINISHED_AGE_S) -> list[Path]:
+    """Remove the working folders in `folder` that killed registrations or lowerings left; returns them.
+    docs/models.md: a failure leaves nothing in the pool, a kill -9 included, once this has run."""
+    now, gone = datetime.now(UTC).timestamp(), []
+    for path in folder.glob(".*"):
+        if path.name.startswith((".tmp-", ".trash-")) and path.is_dir():
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime > age_s:
+                    shutil.rmtree(path)
+                    gone.append(path)
+    return gone
 
 
 def _removed_versions(root: Path, name: str) -> list[int]:
@@ -314,6 +333,9 @@ def _from_pt2(pt2: Path | str, batches: list[int], input_shape: Sequence[int] | 
     if len(user_inputs) != 1:
         raise UnsupportedModelError(file, f"the program takes {len(user_inputs)} tensor inputs, not one")
     val = next(n for n in program.graph.nodes if n.name == user_inputs[0]).meta["val"]
+    if len(val.shape) < 2:  # a scalar, or one value per sample: no (batch, input shape) to serve
+        batch_of = "a model's input is a batch of samples of one or more dimensions"
+        raise UnsupportedModelError(file, f"input shape {list(val.shape)}: {batch_of}")
     if any(not isinstance(d, int) for d in val.shape[1:]):
         raise UnsupportedModelError(file, f"input shape {list(val.shape)} is dynamic beyond the batch")
     dtype, shape = val.dtype, tuple(val.shape[1:])
@@ -330,7 +352,21 @@ def _from_pt2(pt2: Path | str, batches: list[int], input_shape: Sequence[int] | 
         raise ModelRegistrationError(
             file, f"was exported for input shape {list(shape)}, not {list(input_shape)}"
         )
+    _check_input(file, shape, str(dtype).removeprefix("torch."))  # as a factory's: a .pt2 skipped them
     return _Source(file, eager, shape, dtype, program=program, static_batch=static_batch)
+
+
+def _check_input(file: str, shape: Sequence[int], dtype: str) -> None:
+    """A model's input (without the batch): a dtype the runtime carries, and a shape of at least one
+    dimension, each at least 1, of at most `MAX_INPUT_ELEMENTS` elements."""
+    if dtype not in INPUT_DTYPES:
+        raise ModelRegistrationError(file, f"input dtype {dtype!r} is not one of {', '.join(INPUT_DTYPES)}")
+    if not shape or min(shape) < 1 or math.prod(shape) > MAX_INPUT_ELEMENTS:
+        raise ModelRegistrationError(
+            file,
+            f"input shape {list(shape)}: each dimension >= 1 and at most {MAX_INPUT_ELEMENTS:,} elements "
+            "per sample (registration lowers and checks it on the CPU)",
+        )
 
 
 def _from_factory(
@@ -351,15 +387,7 @@ def _from_factory(
             "no input shape: pass one, or have the factory return (module, shape) or set "
             "module.example_input_shape",
         )
-    if input_dtype not in INPUT_DTYPES:
-        allowed = ", ".join(INPUT_DTYPES)
-        raise ModelRegistrationError(file, f"input dtype {input_dtype!r} is not one of {allowed}")
-    if not shape or min(shape) < 1 or math.prod(shape) > MAX_INPUT_ELEMENTS:
-        raise ModelRegistrationError(
-            file,
-            f"input shape {list(shape)}: each dimension >= 1 and at most {MAX_INPUT_ELEMENTS:,} elements "
-            "per sample (registration lowers and checks it on the CPU)",
-        )
+    _check_input(file, shape, input_dtype)
     return _Source(file, eager, shape, dtype_from_name(input_dtype), weights=resolved)
 
 
@@ -414,8 +442,14 @@ def register(
         source = _from_pt2(pt2, sizes, input_shape)
     else:
         source = _from_factory(str(factory), weights, input_shape, input_dtype)
+    if max(sizes) * math.prod(source.shape) > MAX_EXAMPLE_ELEMENTS:  # built on the CPU to lower and check
+        raise ModelRegistrationError(
+            source.file, f"batch {max(sizes)} of input shape {list(source.shape)} is more than "
+            f"{MAX_EXAMPLE_ELEMENTS:,} elements: registration builds and runs that example on the CPU",
+        )
 
     root.mkdir(parents=True, exist_ok=True)
+    sweep_unfinished(root)
     number = max([0, *_versions(root, base), *_removed_versions(root, base)]) + 1
     ref = f"{base}@{number}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{ref}-", dir=root))

@@ -359,3 +359,37 @@ def test_verify_checks_each_output_against_its_own_size(tmp_path, factory_module
     save_file(tensors, weights)
     with pytest.raises(registry.ModelRegistrationError, match="differs from eager torch by .* in output 1"):
         registry.verify(root, "loud")
+
+
+def test_what_a_killed_registration_left_is_swept_once_old(tmp_path):
+    """kill -9 during `models add` left its .tmp- folder (4 plans and a state file) in the pool for good."""
+    import os
+
+    root = tmp_path / "pool"
+    old, young = root / ".tmp-net@1-abc", root / ".tmp-net@2-def"
+    for folder in (old, young):
+        folder.mkdir(parents=True)
+        (folder / "plan.json").write_text("{}")
+    os.utime(old, (0, 0))
+    assert registry.sweep_unfinished(root) == [old]
+    assert not old.exists() and young.exists()  # a registration still at work keeps its folder
+
+
+def test_a_pt2_input_is_checked_as_a_factory_s(tmp_path):
+    """A .pt2 skipped the factory's checks: a zero dimension registered (then stopped serve), complex64
+    failed inside torch, a one-value-per-sample input made a plan folder that broke `models show`."""
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    cases = {
+        "zero": (torch.rand(1, 0), None, r"input shape \[0\]: each dimension >= 1"),
+        "cplx": (torch.zeros(1, 4, dtype=torch.complex64), None, "input dtype 'complex64' is not one of"),
+        "vec": (torch.rand(3), {"x": {0: torch.export.Dim("b")}}, "a batch of samples of one or more"),
+    }
+    for name, (example, dynamic, says) in cases.items():
+        path = tmp_path / f"{name}.pt2"
+        torch.export.save(torch.export.export(Double(), (example,), dynamic_shapes=dynamic), path)
+        with pytest.raises((registry.ModelRegistrationError, registry.UnsupportedModelError), match=says):
+            registry.register(tmp_path / "pool", name, pt2=path)
+    assert registry.registered(tmp_path / "pool") == []
