@@ -6,6 +6,7 @@ lowering with errors that name the file and the construct, and checking a plan a
 from __future__ import annotations
 
 import importlib
+import operator
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,6 +65,8 @@ def call_factory(factory: str) -> tuple[nn.Module, tuple[int, ...] | None]:
         ) from None
     except (ImportError, AttributeError) as error:
         raise ModelRegistrationError(factory, f"cannot import the factory: {error}") from None
+    except (Exception, SystemExit) as error:  # its module's own code failed while it was imported
+        raise ModelRegistrationError(factory, f"its module failed on import: {first_line(error)}") from None
     try:
         built = fn()
     except (Exception, SystemExit) as error:  # the user's code: its failure is a registration error
@@ -71,13 +74,26 @@ def call_factory(factory: str) -> tuple[nn.Module, tuple[int, ...] | None]:
     shape = None
     if isinstance(built, tuple) and len(built) == 2:
         built, shape = built
-        shape = tuple(int(d) for d in shape)
     if not isinstance(built, nn.Module):
         raise ModelRegistrationError(
             factory, f"the factory returned {type(built).__name__}, not an nn.Module"
         )
-    shape = shape or getattr(built, "example_input_shape", None)
-    return built.eval(), tuple(shape) if shape is not None else None
+    shape = shape if shape is not None else getattr(built, "example_input_shape", None)
+    return built.eval(), None if shape is None else _shape(factory, shape)
+
+
+def _shape(factory: str, shape: object) -> tuple[int, ...]:
+    """The input shape a factory gave (returned beside its module, or `example_input_shape`): a
+    sequence of whole numbers, named as the factory's mistake otherwise."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise ModelRegistrationError(factory, f"its input shape {shape!r} is not a sequence of integers")
+    try:
+        if any(isinstance(d, bool) for d in shape):
+            raise TypeError
+        return tuple(operator.index(d) for d in shape)  # ints, numpy's too
+    except TypeError:
+        not_whole = f"its input shape {list(shape)} holds a value not an integer"
+        raise ModelRegistrationError(factory, not_whole) from None
 
 
 def load_weights(module: nn.Module, weights: Path) -> None:

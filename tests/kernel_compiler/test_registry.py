@@ -56,6 +56,12 @@ FACTORY = textwrap.dedent(
         torch.manual_seed(3)
         return Loud(), (4,)
 
+    def bad_shape():
+        return Net(), "abc"
+
+    def bad_dims():
+        return Net(), (3, "x")
+
     def broken():
         raise KeyError("boom")
 
@@ -393,3 +399,16 @@ def test_a_pt2_input_is_checked_as_a_factory_s(tmp_path):
         with pytest.raises((registry.ModelRegistrationError, registry.UnsupportedModelError), match=says):
             registry.register(tmp_path / "pool", name, pt2=path)
     assert registry.registered(tmp_path / "pool") == []
+
+
+def test_a_factory_s_bad_shape_or_failing_import_is_named(tmp_path, factory_module):
+    """`return Net(), "abc"` said "invalid literal for int()", naming neither the factory nor the field; a
+    module that raised at import (or called sys.exit) escaped as a traceback (or a silent exit)."""
+    name = factory_module.__name__
+    for factory, says in ((f"{name}:bad_shape", "its input shape 'abc' is not a sequence of integers"),
+                          (f"{name}:bad_dims", r"its input shape \[3, 'x'\] holds a value not an integer")):
+        with pytest.raises(registry.ModelRegistrationError, match=says):
+            registry.register(tmp_path / "pool", "net", factory=factory)
+    (tmp_path / "fails_on_import.py").write_text("import sys\nsys.exit(4)\n")
+    with pytest.raises(registry.ModelRegistrationError, match="its module failed on import: SystemExit: 4"):
+        registry.register(tmp_path / "pool", "net", factory="fails_on_import:build")
