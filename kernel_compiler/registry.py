@@ -235,7 +235,14 @@ def load_module(root: Path, record: ModelRecord) -> nn.Module:
     if record.source_kind == "pt2":
         return torch.export.load(model_dir / SOURCE_PT2).module()
     module, _ = call_factory(record.source)
-    load_model(module, str(model_dir / STATE_FILE))
+    try:
+        load_model(module, str(model_dir / STATE_FILE))
+    except Exception as error:  # the factory's code changed since it was registered, or the file did
+        raise ModelRegistrationError(
+            str(model_dir / STATE_FILE),
+            f"{record.ref}'s registered weights do not fit what its factory {record.source} builds now "
+            f"(was its code changed since? register it again): {first_line(error)}",
+        ) from None
     return module.eval()
 
 

@@ -412,3 +412,16 @@ def test_a_factory_s_bad_shape_or_failing_import_is_named(tmp_path, factory_modu
     (tmp_path / "fails_on_import.py").write_text("import sys\nsys.exit(4)\n")
     with pytest.raises(registry.ModelRegistrationError, match="its module failed on import: SystemExit: 4"):
         registry.register(tmp_path / "pool", "net", factory="fails_on_import:build")
+
+
+def test_verify_names_a_factory_whose_code_changed(tmp_path, factory_module):
+    """A factory that builds another shape of layer than was registered gave torch's state-dict traceback."""
+    root = tmp_path / "pool"
+    registry.register(root, "net", factory=f"{factory_module.__name__}:build")
+    original = factory_module.build  # its author changes the factory's code
+    factory_module.build = lambda: (torch.nn.Sequential(torch.nn.Linear(3, 2)), (3, 12, 12))
+    try:
+        with pytest.raises(registry.ModelRegistrationError, match="net@1's registered weights do not fit"):
+            registry.verify(root, "net")
+    finally:
+        factory_module.build = original
