@@ -489,12 +489,16 @@ def register(
         except OSError as error:
             if not (root / ref).exists():
                 raise
-            raise ValueError(
+            raise RegisteredMeanwhile(
                 f"{ref} was registered by another command meanwhile; add {base!r} again for the next version"
             ) from error
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return record
+
+
+class RegisteredMeanwhile(ValueError):
+    """Another process registered the version this registration was about to take (nothing was kept)."""
 
 
 def verify(root: Path | str, ref: str) -> list[tuple[int, float]]:

@@ -120,7 +120,7 @@ def ensure_registered(pool: Path | str | None = None) -> str:
     if record is None:
         try:
             record = registry.register(root, MODEL, factory=FACTORY)
-        except OSError:  # another process registered it at the same moment
+        except (OSError, registry.RegisteredMeanwhile):  # another process registered it at the same moment
             record = registry.find(root, MODEL)
             if record is None:
                 raise
