@@ -195,7 +195,7 @@ class Resources:
         error = future.exception()
         if error is None:
             self.plans.setdefault(key, future.result())
-        elif not isinstance(error, OSError):  # the model refuses the shape: it would again
+        elif not isinstance(error, OSError) and not getattr(error, "transient", False):  # it would again
             model, batch, shape = key
             why = f"{type(error).__name__}: {str(error)[:2000]}"
             where = f"{model!r} for batch {batch}, shape {list(shape)}"

@@ -22,7 +22,12 @@ LOWER_TIMEOUT_S = 900.0
 
 
 class IsolatedLoweringFailed(RuntimeError):
-    """The child lowering a registered model failed, exited or ran past its time: the message says how."""
+    """The child lowering a registered model failed, exited or ran past its time: the message says how.
+    `transient`: it was killed or ran out of time (a next try may succeed), rather than said why not."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 def lower_in_child(
@@ -34,11 +39,12 @@ def lower_in_child(
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        raise IsolatedLoweringFailed(f"lowering {model} for batch {batch} ran past {timeout_s:g} s") from None
+        late = f"lowering {model} for batch {batch} ran past {timeout_s:g} s"
+        raise IsolatedLoweringFailed(late, transient=True) from None
     if done.returncode != 0:
         said = [line for line in done.stderr.splitlines() if line.strip()]
         why = said[-1] if said else f"its process exited with code {done.returncode}, saying nothing"
-        raise IsolatedLoweringFailed(why[:2000])
+        raise IsolatedLoweringFailed(why[:2000], transient=done.returncode < 0)  # < 0: killed by a signal
     return ModelPool(root).get_or_lower(model, batch, shape)  # on disk now: read, not lowered
 
 
