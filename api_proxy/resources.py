@@ -27,7 +27,6 @@ from streambox.comm.store_protocol import Store
 from streambox.device import Event, Runtime, Stream
 from streambox.device.base import contiguous_strides
 from streambox.io_daemon import CopyRequest, IODaemon
-from streambox.kernel_compiler.isolated_lowering import lower_in_child
 from streambox.kernel_compiler.model_pool import ModelPool
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.phases import COMM, MODEL_LOAD
@@ -38,6 +37,7 @@ from .device_tensor import DeviceTensor
 from .errors import IsolationError, QuotaExceeded, UnknownHandle, UnknownModel
 from .function_spec import ProxyFunction
 from .handles import DTYPES, Handle
+from .isolated_lowering import lower_in_child
 from .issuer import Issuer
 from .partition import cu_cap_for
 from .proxy_memory import ProxyMemory
