@@ -117,6 +117,9 @@ for _tag, _pattern, _first in (
     _CoreLoader.add_implicit_resolver(f"{_YAML_TAG}{_tag}", re.compile(_pattern), list(_first))
 
 
+_YAML11 = yaml.SafeLoader("")  # its resolver: what PyYAML's YAML 1.1 made of a plain value
+
+
 class _Document:
     """YAML nodes turned into plain data, remembering where each key and item stands."""
 
@@ -128,6 +131,7 @@ class _Document:
         self._built = 0
         self._seen: set[int] = set()
         self._alias_uses = 0
+        self._merged: dict[int, int] = {}  # per mapping node: how many of its pairs were merged in
 
     def issue(self, loc: Loc, message: str, mark: Mark | None = None) -> None:
         mark = mark or self.mark_for(loc)
@@ -155,9 +159,11 @@ class _Document:
             self.issue(loc, f"unsupported YAML tag {shown}: {plain}", node.start_mark)
             return None
         if isinstance(node, MappingNode):
-            own = sum(key.tag != _MERGE_TAG for key, _ in node.value)
-            self._constructor.flatten_mapping(node)  # merge keys (<<) as PyYAML does: merged pairs first,
-            merged = len(node.value) - own  # and a key of the mapping's own overrides a merged one
+            if id(node) not in self._merged:  # flattened in place once: an alias reaches it flattened
+                own = sum(key.tag != _MERGE_TAG for key, _ in node.value)
+                self._constructor.flatten_mapping(node)  # merge keys (<<) as PyYAML does: merged pairs
+                self._merged[id(node)] = len(node.value) - own  # first, a key of its own overrides them
+            merged = self._merged[id(node)]
             out: dict[Any, Any] = {}
             from_merge: set[str] = set()
             for i, (key_node, value_node) in enumerate(node.value):
@@ -189,7 +195,18 @@ class _Document:
         return None if value is _INVALID else value
 
     def _scalar(self, node: Node, loc: Loc) -> Any:
-        """A scalar's value; `_INVALID`, with an issue, where its tag refuses it (`!!int abc`)."""
+        """A scalar's value; `_INVALID`, with an issue, where its tag refuses it (`!!int abc`) or where
+        YAML 1.1 read a plain value as a boolean or number that YAML 1.2 reads as text (`no`, `off`,
+        `010`, `1_000`): silently text in free-form params, it would invert a handler's `if`."""
+        if node.style is None and node.tag == _YAML_TAG + "str":
+            was = _YAML11.resolve(ScalarNode, node.value, (True, False)).removeprefix(_YAML_TAG)
+            if was in ("bool", "int", "float"):
+                what = "true or false" if was == "bool" else "it in decimal (1000, 8.5)"
+                was = f"an {was}" if was == "int" else f"a {was}"
+                text = f"{node.value!r} is text in YAML 1.2 (YAML 1.1 read it as {was})"
+                write = f"write {what}, or quote it ('{node.value}') for text"
+                self.issue(loc, f"{text}: {write}", node.start_mark)
+                return _INVALID
         try:
             return self._constructor.construct_object(node)
         except Exception:  # noqa: BLE001 - the constructors raise anything (AttributeError too) for it

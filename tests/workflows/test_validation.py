@@ -287,26 +287,36 @@ def test_a_value_its_tag_refuses_is_named_and_a_merged_key_may_be_overridden():
     )
     spec = parse_spec(merged, "demo.yaml", HERE)
     assert spec.functions["a"].max_instances == 2 and spec.functions["b"].max_instances == 3
+    again = merged.replace("  b: {<<", "  b: &b {<<") + "  c: *b\n"  # reached again through an alias
+    assert parse_spec(again, "demo.yaml", HERE).functions["c"].max_instances == 3
     assert errors(merged.replace("max_instances: 3}", "max_instances: 3, max_instances: 4}")) == [
         "demo.yaml:5:36: functions.b.max_instances: duplicate key"
     ]
 
 
-def test_plain_values_are_read_as_yaml_1_2_not_1_1():
+def test_plain_values_are_read_as_yaml_1_2_and_what_1_1_read_otherwise_is_named():
     """PyYAML's YAML 1.1 read max_instances: 010 as 8, 1:30 as 90 and fan_out: yes as true, past a
-    schema that calls yes for a flag a mistake; 2e2 was text."""
+    schema that calls yes for a flag a mistake; 2e2 was text. Read as YAML 1.2 they are text, which in
+    free-form params would silently turn `debug: no` true: each is named, with how to write it."""
     head = "name: demo\nslo_ms: 2e2\nfunctions:\n"
-    spec = parse_spec(head + "  a: {handler: wf_test_handlers:echo, params: {t: 1:30, d: 2024-01-01}}\n",
+    spec = parse_spec(head + "  a: {handler: wf_test_handlers:echo, params: {d: 2024-01-01, q: 'no'}}\n",
                       "demo.yaml", HERE)
-    assert spec.slo_ms == 200 and spec.functions["a"].params == {"t": "1:30", "d": "2024-01-01"}
-    assert errors(head + "  a: {handler: wf_test_handlers:echo, max_instances: 010}\n") == [
-        "demo.yaml:4:39: functions.a.max_instances: Input should be a valid integer (got '010')"
+    assert spec.slo_ms == 200 and spec.functions["a"].params == {"d": "2024-01-01", "q": "no"}
+    typed = "  a: {handler: wf_test_handlers:echo, max_instances: 010, params: {t: 1:30}}\n"
+    assert errors(head + typed) == [
+        "demo.yaml:4:54: functions.a.max_instances: '010' is text in YAML 1.2 (YAML 1.1 read it as an int): "
+        "write it in decimal (1000, 8.5), or quote it ('010') for text",
+        "demo.yaml:4:71: functions.a.params.t: '1:30' is text in YAML 1.2 (YAML 1.1 read it as an int): "
+        "write it in decimal (1000, 8.5), or quote it ('1:30') for text",
     ]
     fan = head + (
         "  a: {handler: wf_test_handlers:split}\n  b: {handler: wf_test_handlers:echo}\n"
         "edges:\n  - {from: a, to: b, fan_out: yes}\n"
     )
-    assert errors(fan) == ["demo.yaml:7:22: edges[0].fan_out: Input should be a valid boolean (got 'yes')"]
+    assert errors(fan) == [
+        "demo.yaml:7:31: edges[0].fan_out: 'yes' is text in YAML 1.2 (YAML 1.1 read it as a bool): write "
+        "true or false, or quote it ('yes') for text"
+    ]
     bound = fan.replace("fan_out: yes", "max_items: 5")  # bounds nothing: the edge does not fan out
     assert errors(bound) == [
         "demo.yaml:7:22: edges[0].max_items: bounds the items of a fan_out edge; this edge does not fan out "
