@@ -396,20 +396,29 @@ async def _execute(config: ReplayConfig, target: Target | None) -> RunResult:
         target = resolve_system(config.system, request)
     run_dir = Path(config.out)
     check_out_folder(run_dir)
-    held = [name for name in ("summary.json", "requests.csv") if (run_dir / name).exists()]
-    if held and not config.overwrite:  # a finished run, or one that measured before it stopped
-        raise ValueError(f"{run_dir} already holds a run ({held[0]}); choose another --out or --overwrite")
+    if (run_dir / _ASIDE).is_dir():  # an --overwrite killed (kill -9) before it measured: its previous run
+        _put_back(run_dir / _ASIDE, run_dir)
+    held = held_run(run_dir)
+    if held and not config.overwrite:
+        raise ValueError(f"{run_dir} already holds a run ({held}); choose another --out or --overwrite")
     run_dir.mkdir(parents=True, exist_ok=True)
     aside = _set_aside(run_dir)
+    measured: list[bool] = []  # set once the replay has measured: from then on the new run stands
     try:
-        return await _record(config, target, workload, run_dir)
-    except BaseException:  # stopped before it measured anything (e.g. Ctrl-C while deploying)
-        if aside is not None:
+        return await _record(config, target, workload, run_dir, measured)
+    except BaseException:
+        if aside is not None and not measured:  # stopped before it measured (e.g. Ctrl-C while deploying)
             _put_back(aside, run_dir)
         raise
     finally:
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
+
+
+def held_run(run_dir: Path) -> str | None:
+    """The file that says `run_dir` holds a run --overwrite would replace: a finished one's summary, or
+    the requests of one that measured before it stopped; None when it holds none."""
+    return next((name for name in ("summary.json", "requests.csv") if (run_dir / name).exists()), None)
 
 
 #: The files a run writes into its folder (docs/replay.md): what `--overwrite` replaces.
@@ -436,9 +445,12 @@ def _put_back(aside: Path, run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
         if (aside / name).exists():
             os.replace(aside / name, run_dir / name)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
-async def _record(config: ReplayConfig, target: Target, workload: Workload, run_dir: Path) -> RunResult:
+async def _record(
+    config: ReplayConfig, target: Target, workload: Workload, run_dir: Path, measured: list[bool]
+) -> RunResult:
     """Run the replay into `run_dir`: config.json before the first request, the rest at its end."""
     system_config = target.describe()
     label = run_label(config, system_config)
@@ -460,6 +472,7 @@ async def _record(config: ReplayConfig, target: Target, workload: Workload, run_
 
     with frozen_heap() as pauses:  # the driver's own collections would delay what it sends and times
         result = await _drive(target, workload, config, started)
+        measured.append(True)
         driver_gc = pauses.counters()
     patterns = {str(c.key): c.pattern.kind for c in workload.chosen}
     write_requests(run_dir / "requests.csv", result.records, patterns)
@@ -558,10 +571,10 @@ def run_comparison(
         raise ValueError(f"a system is named twice in {', '.join(systems)}: each writes out/<system>")
     check_out_folder(Path(out))
     if not options.get("overwrite"):  # found now, not after the systems before it have replayed
-        done = [s for s in systems if (Path(out) / s / "summary.json").exists()]
+        done = [(s, held) for s in systems if (held := held_run(Path(out) / s))]
         if done:
             raise ValueError(
-                f"{', '.join(str(Path(out) / s) for s in done)} already hold(s) a run (summary.json); "
+                f"{', '.join(f'{Path(out) / s} ({held})' for s, held in done)} already hold(s) a run: "
                 "choose another --out or --overwrite"
             )
     if options.get("target") is None:

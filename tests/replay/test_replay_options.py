@@ -163,7 +163,8 @@ def test_a_comparison_refuses_a_finished_run_in_its_folder_before_its_first_repl
 
     (tmp_path / "stream-only").mkdir()
     (tmp_path / "stream-only" / "summary.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"stream-only already hold\(s\) a run .* or --overwrite"):
+    refused = r"stream-only \(summary.json\) already hold\(s\) a run: .* or --overwrite"
+    with pytest.raises(ValueError, match=refused):
         run_comparison(["inprocess-cpu", "stream-only"], out=tmp_path, minutes=1)
     assert not (tmp_path / "inprocess-cpu").exists()  # nothing replayed first
 

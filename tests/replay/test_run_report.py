@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -272,3 +273,12 @@ def test_an_overwrite_that_stops_before_it_measured_leaves_the_previous_run_whol
     again = run_replay(None, workflow="traffic", system="x", out=first.run_dir, target=double_cls(),
                        overwrite=True, **FAST)
     assert (again.run_dir / "summary.json").exists() and not (again.run_dir / ".previous-run").exists()
+    # An --overwrite killed (kill -9) before it measured left the previous run set aside: the next run
+    # into the folder puts it back first (it deleted it), and refuses to replace it unasked.
+    aside = again.run_dir / ".previous-run"
+    aside.mkdir()
+    for name in RUN_FILES:
+        os.replace(again.run_dir / name, aside / name)
+    with pytest.raises(ValueError, match=r"already holds a run \(summary.json\)"):
+        run_replay(None, workflow="traffic", system="x", out=again.run_dir, target=double_cls(), **FAST)
+    assert sorted(p.name for p in again.run_dir.iterdir()) == sorted(RUN_FILES)
