@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,15 +78,17 @@ def call_factory(factory: str) -> tuple[nn.Module, tuple[int, ...] | None]:
         raise ModelRegistrationError(
             factory, f"the factory returned {type(built).__name__}, not an nn.Module"
         )
-    shape = shape if shape is not None else getattr(built, "example_input_shape", None)
+    if shape is None or (isinstance(shape, (tuple, list)) and not shape):  # none given beside the module
+        shape = getattr(built, "example_input_shape", None)
     return built.eval(), None if shape is None else _shape(factory, shape)
 
 
 def _shape(factory: str, shape: object) -> tuple[int, ...]:
     """The input shape a factory gave (returned beside its module, or `example_input_shape`): a
     sequence of whole numbers, named as the factory's mistake otherwise."""
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
         raise ModelRegistrationError(factory, f"its input shape {shape!r} is not a sequence of integers")
+    shape = list(shape)  # a tuple, a list, torch.Size, a numpy array or tensor of ints
     try:
         if any(isinstance(d, bool) for d in shape):
             raise TypeError

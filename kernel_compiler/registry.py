@@ -237,6 +237,8 @@ def load_module(root: Path, record: ModelRecord) -> nn.Module:
     module, _ = call_factory(record.source)
     try:
         load_model(module, str(model_dir / STATE_FILE))
+    except OSError:  # the file cannot be read now: the host's failure, not the model's
+        raise
     except Exception as error:  # the factory's code changed since it was registered, or the file did
         raise ModelRegistrationError(
             str(model_dir / STATE_FILE),
@@ -535,6 +537,7 @@ def remove(root: Path | str, ref: str, *, force: bool = False) -> list[str]:
             if not force and found not in leased:
                 continue  # another removal took it meanwhile
             # Rename first so readers never see a half-deleted model.
+            (root / f"{found}{REMOVED_SUFFIX}").touch()  # first: a registration meanwhile takes the next
             trash = Path(tempfile.mkdtemp(prefix=f".trash-{found}-", dir=root))
             try:
                 os.rename(target, trash / "model")
@@ -542,6 +545,5 @@ def remove(root: Path | str, ref: str, *, force: bool = False) -> list[str]:
                 continue
             finally:
                 shutil.rmtree(trash, ignore_errors=True)
-            (root / f"{found}{REMOVED_SUFFIX}").touch()  # its number is never given to another model
             gone.append(found)
         return gone

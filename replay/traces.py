@@ -333,10 +333,10 @@ def _non_negative(path: Path, number: int, row: dict[str, str], column: str) -> 
 
 def _key(path: Path, number: int, row: dict[str, str], column: str) -> str:
     """A hash naming a function or app: not empty."""
-    value = (row.get(column) or "").strip()
-    if not value:
+    value = row.get(column) or ""
+    if not value.strip():
         raise TraceFormatError(f"{path}, line {number}: column {column} is empty")
-    return value
+    return value  # as written: the invocations file's keys are too
 
 
 def _number(path: Path, number: int, row: dict[str, str], column: str) -> float:

@@ -355,7 +355,7 @@ class _Run:
         self._settle(record.function, record)
 
     def _deliver(self, record: CallRecord, output: Any) -> None:
-        self.output_bytes += len(json.dumps(output))  # JSON-able: it came through JSON
+        self.output_bytes += len(json.dumps(output, default=str))  # JSON from a proxy; any invoker's counts
         if self.output_bytes > MAX_REQUEST_OUTPUT_BYTES:
             record.status = ERROR
             record.error = (
