@@ -132,7 +132,8 @@ def _summary_rows(
 
 def _finish(session: Session, figure: str, title: str, rows: list[Row], notes: list[str]) -> FigureResult:
     folder = session.out / f"fig{figure}"
-    write_table(folder, figure, title, rows, [*notes, *session.runs_note(), session.machine_note()])
+    ablated = session.runs_note(source.file for row in rows for source in row.sources)
+    write_table(folder, figure, title, rows, [*notes, *ablated, session.machine_note()])
     return FigureResult(figure, folder, rows)
 
 

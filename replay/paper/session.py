@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,7 +135,7 @@ class Session:
     _batch16: dict[str, Path] | None = field(default=None, init=False)
     _reused: list[str] = field(default_factory=list, init=False)  # what --reuse took (for the tables' note)
     _measured: bool = field(default=False, init=False)  # whether this session measured anything
-    _labelled: dict[str, str] = field(default_factory=dict, init=False)  # system -> its runs' label
+    _labelled: dict[str, str] = field(default_factory=dict, init=False)  # run folder -> an ablation's label
 
     @property
     def size(self) -> ReplaySize:
@@ -195,17 +195,20 @@ class Session:
         if was_interrupted(results[-1].summary):
             raise KeyboardInterrupt(f"the replay comparison in {folder} was interrupted")  # no figure of it
         for r in results:
-            self._note_label(r.config.system, str(r.summary.get("label")), r.config.labelled({}))
+            self._note_label(r.run_dir, str(r.summary.get("label")), r.config.labelled({}))
         return {r.config.system: r.run_dir for r in results}
 
-    def _note_label(self, system: str, label: str, asked: str) -> None:
+    def _note_label(self, run_dir: Path, label: str, asked: str) -> None:
         if label != asked:  # options the figure did not ask for (STREAMBOX_<NAME>): an ablation
-            self._labelled[system] = label
+            self._labelled[self.relative(run_dir)] = label
 
-    def runs_note(self) -> list[str]:
+    def runs_note(self, sources: Iterable[str] = ()) -> list[str]:
         """What ran under a system's name with options of its own (an ablation set in the environment,
-        `STREAMBOX_POOL_MODE=static`): its rows are that run's, not the system's as the paper ran it."""
-        return [f"the {system} rows are {label}'s" for system, label in sorted(self._labelled.items())]
+        `STREAMBOX_POOL_MODE=static`), among the runs a table's `sources` (files, relative to `out`)
+        were read from: its rows are that run's, not the system's as the paper ran it."""
+        read = {Path(source).parent.as_posix() for source in sources}
+        labelled = sorted(self._labelled.items())
+        return [f"the rows from {run} are {label}'s" for run, label in labelled if run in read]
 
     def _reused_comparison(
         self, folder: Path, size: ReplaySize, systems: Sequence[str] | None = None
@@ -239,7 +242,7 @@ class Session:
                 print(f"not reusing {run_dir}: it measured another run ({', '.join(differ)})", flush=True)
                 return None
             runs[system] = run_dir
-            self._note_label(system, str(stored.get("label")), wanted.labelled({}))
+            self._note_label(run_dir, str(stored.get("label")), wanted.labelled({}))
         print(f"reusing the replay comparison in {folder}", flush=True)
         self._reused.append(self.relative(folder))
         return runs

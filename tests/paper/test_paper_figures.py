@@ -252,9 +252,11 @@ def test_reuse_takes_only_runs_that_measured_what_the_figure_would(
         store(system)
     ablated = Session(tmp_path, quick=True, systems=systems, reuse=True)
     assert ablated._reused_comparison(tmp_path / "replay", QUICK) is not None
-    notes = ablated.runs_note()
-    assert len(notes) == 2 and notes[1].startswith("the streambox rows are streambox[")
+    sources = ["replay/streambox/summary.json", "replay/stream-only/requests.csv"]
+    notes = ablated.runs_note(sources)
+    assert len(notes) == 2 and notes[1].startswith("the rows from replay/streambox are streambox[")
     assert all(note.endswith("pool_mode=static]'s") for note in notes)
+    assert ablated.runs_note(["bench/bench_memory_pool.json"]) == []  # a table of a benchmark's rows
 
 
 def test_systems_a_figure_cannot_use_are_refused_before_anything_is_measured(
