@@ -704,7 +704,7 @@ class DeviceMemoryPool:
             for address, token, size in batch:
                 if pending.get(address) == token:  # not reused (and freed again) meanwhile
                     frees.drop(address, size)
-                    self._sub.free(address)
+                    self._sub.free_deferred(address)  # often taken back whole by its next run
                     collected += size
         return collected
 

@@ -9,7 +9,9 @@ Design (after CuPy's pool, written from scratch):
 
 - every block, free or used, is a run of bytes inside one chunk; a used block is in `_used`
   (address -> size), a free block in `_free` (address -> size) and `_free_end` (end -> address), so
-  both neighbours of a freed block are found in O(1) and merged (coalesce) on every free;
+  both neighbours of a freed block are found in O(1) and merged (coalesce) on every free
+  (`free_deferred` merges later, at the next call that needs the free lists whole: the pool's
+  collected blocks, which a warm instance's next run takes back whole at their address);
 - free blocks sit in bins keyed by their exact size (an insertion-ordered dict used as a set), and a
   sorted list holds the sizes that have a non-empty bin; best-fit is one `bisect` on that list
   (the smallest free block that fits), then a split that keeps the remainder free;
@@ -105,6 +107,7 @@ class SubAllocator:
         "_n_alloc",
         "_n_free",
         "_n_failed",
+        "_loose",
     )
 
     def __init__(self) -> None:
@@ -121,6 +124,7 @@ class SubAllocator:
         self._n_alloc = 0
         self._n_free = 0
         self._n_failed = 0
+        self._loose: dict[int, int] = {}  # freed, not yet merged (`free_deferred`): address -> size
 
     # -- chunks ---------------------------------------------------------------------------------
     def add_chunk(self, base: int, size: int) -> None:
@@ -159,6 +163,8 @@ class SubAllocator:
 
         These hold no live allocation, so the shell may return them to the device.
         """
+        if self._loose:
+            self._settle()
         free = self._free
         return [(b, self._chunks[b]) for b in self._chunk_bases if free.get(b) == self._chunks[b]]
 
@@ -181,6 +187,8 @@ class SubAllocator:
 
     def remove_chunk(self, base: int) -> int:
         """Forget the fully free chunk at `base` and return its size (the shell frees it)."""
+        if self._loose:
+            self._settle()
         size = self._chunks.get(base)
         if size is None:
             raise UnknownAddress(f"no chunk at {base:#x}; chunks: {[hex(b) for b in self._chunk_bases]}")
@@ -198,6 +206,8 @@ class SubAllocator:
 
         Best-fit: the smallest free block that fits is split; its tail stays free.
         """
+        if self._loose:
+            self._settle()
         if nbytes <= ALIGNMENT:
             if nbytes < 0:
                 raise ValueError(f"negative size: {nbytes}")
@@ -250,22 +260,16 @@ class SubAllocator:
         if nbytes < 0:
             raise ValueError(f"negative size: {nbytes}")
         size = ALIGNMENT if nbytes <= ALIGNMENT else (nbytes + ALIGNMENT - 1) & _MASK
-        free, used = self._free, self._used
-        start = address
-        if address not in free:
-            if address in used:  # the common miss: another block starts there
-                return None
-            # Merged into the free block before it: walk the chunk's blocks (they tile it) to it.
-            start = self.chunk_of(address)  # type: ignore[assignment]
-            if start is None:
-                return None
-            while True:
-                step = free.get(start) or used.get(start)
-                if step is None or start + step > address:
-                    break
-                start += step
-            if start not in free:
-                return None
+        loose = self._loose
+        if loose:
+            if loose.get(address) == size:  # freed and taken back before any merge: nothing to split
+                del loose[address]
+                return self._mark_used(address, size)
+            self._settle()
+        free = self._free
+        start = address if address in free else self._free_block_holding(address)
+        if start is None:
+            return None
         end = start + free[start]
         if address + size > end:
             return None
@@ -276,11 +280,43 @@ class SubAllocator:
             self._insert_free(address + size, end - address - size)
         return self._mark_used(address, size)
 
+    def _free_block_holding(self, address: int) -> int | None:
+        """The start of the free block that `address` lies inside, or None (it is in a used block,
+        or in no chunk): a block merged into the free block before it."""
+        free, used = self._free, self._used
+        if address in used:  # the common miss: another block starts there
+            return None
+        start = self.chunk_of(address)  # walk the chunk's blocks (they tile it) to the address
+        if start is None:
+            return None
+        while True:
+            step = free.get(start) or used.get(start)
+            if step is None or start + step > address:
+                break
+            start += step
+        return start if start in free else None
+
     def free(self, address: int) -> None:
         """Return the block at `address`, merging it with free neighbours in the same chunk."""
+        size = self._release(address)
+        if self._loose:
+            self._settle()
+        self._merge(address, size)
+
+    def free_deferred(self, address: int) -> None:
+        """Return the block at `address` without merging it yet: it counts as free at once, and is
+        merged at the next call that needs the free lists whole (`allocate`, `free`, an `allocate_at`
+        of another block, chunk release, `stats`). For blocks likely taken back whole at once (a
+        warm instance's buffers, `allocate_at(address, size)`), which then skip the merge and the
+        split. The free lists end as if freed eagerly: coalescing is canonical (the free blocks are
+        the maximal free runs of each chunk), whatever the order of the merges."""
+        self._loose[address] = self._release(address)
+
+    def _release(self, address: int) -> int:
+        """Take the used block at `address` off the used list and the counts; returns its size."""
         size = self._used.pop(address, None)
         if size is None:
-            if address in self._free:
+            if address in self._free or address in self._loose:
                 raise DoubleFree(f"double free of address {address:#x}")
             shown = hex(address) if isinstance(address, int) else repr(address)
             raise UnknownAddress(
@@ -289,6 +325,17 @@ class SubAllocator:
             )
         self._allocated -= size
         self._n_free += 1
+        return size
+
+    def _settle(self) -> None:
+        """Merge every `free_deferred` block, in the order they were freed."""
+        loose, self._loose = self._loose, {}
+        for address, size in loose.items():
+            self._merge(address, size)
+
+    def _merge(self, address: int, size: int) -> None:
+        """Put the free block [address, address + size) on the free lists, merged with its free
+        neighbours in the same chunk."""
         start, end = address, address + size
         chunks = self._chunks
         if end not in chunks:  # a block starting at `end` lies in the same chunk: merge if free
@@ -356,6 +403,8 @@ class SubAllocator:
 
     def blocks(self) -> Iterator[Block]:
         """Every block of every chunk in address order (O(blocks); for tests and debugging)."""
+        if self._loose:
+            self._settle()
         for base in self._chunk_bases:
             end = base + self._chunks[base]
             addr = base
@@ -380,6 +429,8 @@ class SubAllocator:
     @property
     def largest_free_block(self) -> int:
         """Size of the largest free block: the largest request that `allocate` can meet now."""
+        if self._loose:
+            self._settle()
         return self._sizes[-1] if self._sizes else 0
 
     def reset_peak(self) -> None:
@@ -388,6 +439,8 @@ class SubAllocator:
 
     def stats(self) -> SubAllocatorStats:
         """Exact byte accounting at this instant."""
+        if self._loose:
+            self._settle()
         free = self._reserved - self._allocated
         largest = self.largest_free_block
         return SubAllocatorStats(

@@ -258,6 +258,33 @@ class SubAllocatorMachine(RuleBasedStateMachine):
         with pytest.raises(InvalidAddress):
             self.sa.free(addr)
 
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free_deferred_then_take_some_back(self, data: st.DataObject) -> None:
+        """Blocks freed without merging, some taken back whole at their address (no split), then
+        an allocation: the free lists end as a twin's that freed eagerly and took the same back."""
+        twin = SubAllocator()
+        for base, size in self.chunks.items():
+            twin.add_chunk(base, size)
+        for address, size in self.live.items():
+            assert twin.allocate_at(address, size) == address
+        freed = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
+        for address in freed:
+            self.sa.free_deferred(address)
+            twin.free(address)
+            with pytest.raises(DoubleFree):
+                self.sa.free(address)
+        back = data.draw(st.lists(st.sampled_from(freed), unique=True))
+        for address in back:
+            assert self.sa.allocate_at(address, self.live[address]) == address
+            assert twin.allocate_at(address, self.live[address]) == address
+        for address in set(freed) - set(back):
+            del self.live[address]
+        self.n_free += len(freed)
+        self.n_alloc += len(back)
+        assert self.sa.allocated_bytes == sum(self.live.values())  # counted free at once
+        assert list(self.sa.blocks()) == list(twin.blocks())
+
     @precondition(lambda self: self.sa.releasable_chunks())
     @rule(data=st.data())
     def remove_chunk(self, data: st.DataObject) -> None:
