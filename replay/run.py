@@ -104,17 +104,6 @@ class ReplayConfig(SettingsModel):
                 raise ValueError(f"is not one of {', '.join(allowed[info.field_name])}")
         return value
 
-    @property
-    def label(self) -> str:
-        """The system's name, with its options when set (ablations): streambox[FM=off]."""
-        return self.labelled({})
-
-    def labelled(self, from_environment: Mapping[str, str]) -> str:
-        """`label` with the switches set through the environment too (`environment_options`)."""
-        options = {**from_environment, **self.system_options}
-        listed = ",".join(f"{k}={v}" for k, v in sorted(options.items()))
-        return f"{self.system}[{listed}]" if listed else self.system
-
 
 #: Settings the environment also sets under another name (`Config`'s `inputs` is `model_shapes` too).
 ENV_ALIASES: dict[str, tuple[str, ...]] = {"inputs": ("model_shapes",)}
@@ -130,29 +119,88 @@ def _replay_device() -> dict[str, str]:
     return {k: str(v) for k, v in {**defaults, **REPLAY_DEVICE_DEFAULTS}.items()}
 
 
-def environment_options(
+def _environment_values(
     settings: Mapping[str, Any], given: Mapping[str, Any], environ: Mapping[str, str]
-) -> dict[str, str]:
-    """The switches among a system's resolved `settings` that `environ` set (`STREAMBOX_<NAME>`, as
-    the README documents for every flag) and `--set` did not: part of what ran, so part of the run's
-    label, so that an ablation made that way is not reported as the system itself."""
+) -> list[tuple[str, str, str, Any]]:
+    """(key, the variable, its value, the resolved value) of each setting that `environ` names
+    (`STREAMBOX_<NAME>`, any case, or an alias) and `--set` does not: the settings the environment
+    reads (`Settings`), and the device's where unlike the replay's own device."""
+    from streambox.config import Settings
+
     named = {option_name(k) for k in given}
     upper = {name.upper(): value for name, value in environ.items()}  # as the settings read it
-    found = {}
     device = settings.get("device")  # the device's settings sit one level down: those unlike the
     device = device if isinstance(device, Mapping) else {}  # replay's own (the emulated V100, timed)
     plain = _replay_device()
-    device_keys = [k for k, v in device.items() if k in plain and str(v) != plain[k]]
-    for key in [*settings, *device_keys]:
-        if key in ("system", "device") or key in named:
+    read = set(Settings.model_fields) - {"system", "device", *TUNING_GROUPS}
+    keys = [(k, settings[k]) for k in settings if k in read]
+    keys += [(k, v) for k, v in device.items() if k in plain and str(v) != plain[k]]
+    found = []
+    for key, value in keys:
+        if key in named:
             continue
         for spelling in (key, *ENV_ALIASES.get(key, ())):
-            value = upper.get(f"{ENV_PREFIX}{spelling.upper()}")
-            if value is not None:
-                found[key] = value
+            variable = f"{ENV_PREFIX}{spelling.upper()}"
+            raw = upper.get(variable)
+            if raw is not None:
+                found.append((key, variable, raw, value))
                 break
     return found
 
+
+#: `Settings`' groups of library knobs (`STREAMBOX_POOL__CHUNK_BYTES`): labelled key by key.
+TUNING_GROUPS = ("pool", "store", "memory")
+
+
+def _agrees(resolved: Any, raw: str) -> bool:
+    """Whether a setting resolved to what the environment's `raw` value says (the environment
+    reached the run, rather than a value the replay sets itself)."""
+    text = raw.strip().lower()
+    if isinstance(resolved, bool) or resolved is None:
+        words = {True: ("1", "true", "on", "yes"), False: ("0", "false", "off", "no"), None: ("", "none")}
+        return text in words[resolved]
+    if isinstance(resolved, int | float):
+        try:
+            return float(text) == float(resolved)
+        except ValueError:
+            return False
+    return text == str(resolved).strip().lower()
+
+
+def shown(value: Any) -> str:
+    """A resolved setting as a label writes it: `on`/`off` for switches, else its text."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def environment_options(
+    settings: Mapping[str, Any], given: Mapping[str, Any], environ: Mapping[str, str]
+) -> dict[str, str]:
+    """The switches among a system's resolved `settings` that `environ` set and `--set` did not
+    (`STREAMBOX_<NAME>`, as the README documents for every flag; the library knobs of `tuning` as
+    `group.key`): part of what ran, so part of the run's label, so that an ablation made that way is
+    not reported as the system itself. Only values that reached the run, as they resolved; one the
+    replay sets itself is `environment_ignored`."""
+    found = {key: shown(value) for key, _, raw, value in _environment_values(settings, given, environ)
+             if _agrees(value, raw)}
+    tuning = settings.get("tuning")
+    for group, values in (tuning if isinstance(tuning, Mapping) else {}).items():
+        for key, value in values.items():
+            found[f"{group}.{key}"] = shown(value)
+    return found
+
+
+def environment_ignored(
+    settings: Mapping[str, Any], given: Mapping[str, Any], environ: Mapping[str, str]
+) -> list[str]:
+    """What the environment sets that the run does not take (the replay sets it itself), one line each."""
+    return [
+        f"{variable}={raw} is set, but this run takes {key}={shown(value)} (the replay sets it; use --set "
+        f"{key}=...)"
+        for key, variable, raw, value in _environment_values(settings, given, environ)
+        if not _agrees(value, raw)
+    ]
 
 
 @dataclass
@@ -454,6 +502,8 @@ async def _record(
     """Run the replay into `run_dir`: config.json before the first request, the rest at its end."""
     system_config = target.describe()
     label = run_label(config, system_config)
+    for line in environment_ignored(system_config.get("settings") or {}, config.system_options, os.environ):
+        print(f"note: {line}", file=sys.stderr, flush=True)
     described = {
         "config": config.model_dump(mode="json"),
         "label": label,
@@ -532,10 +582,22 @@ def same_measurement(stored: Mapping[str, Any], config: ReplayConfig) -> list[st
     return sorted(k for k, v in wanted.items() if k not in NOT_MEASURED and stored.get(k) != v)
 
 
-def run_label(config: ReplayConfig, system_config: Mapping[str, Any]) -> str:
-    """The run's label: its system, with its `--set` options and the switches the environment set."""
+def run_label(
+    config: ReplayConfig, system_config: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> str:
+    """The run's label: its system, with its `--set` options and the switches the environment
+    (default: this process's) set, each named and written as the run resolved it (`--set
+    Pool-Mode=FM+RS` is `pool_mode=fm+rs`)."""
+    environ = os.environ if environ is None else environ
     settings = system_config.get("settings") or {}
-    return config.labelled(environment_options(settings, config.system_options, os.environ))
+    given = {}
+    for key, value in config.system_options.items():
+        name = option_name(key)
+        resolved = settings.get(name)
+        given[name] = shown(resolved) if name in settings and _agrees(resolved, str(value)) else str(value)
+    options = {**environment_options(settings, config.system_options, environ), **given}
+    listed = ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+    return f"{config.system}[{listed}]" if listed else config.system
 
 
 def was_interrupted(summary: Mapping[str, Any]) -> bool:

@@ -318,7 +318,7 @@ def _proxy_settings(system: str) -> Callable[[WorkflowOptions, dict[str, str]], 
     """The proxy's mechanisms resolved as its `stats` will report them (`Mechanisms.resolved`)."""
 
     def resolve(options: WorkflowOptions, rest: dict[str, str]) -> dict[str, Any]:
-        from streambox.config import Mechanisms
+        from streambox.config import Mechanisms, Tuning
 
         parsed = _proxy_options(system, rest)
         mechanisms = {k: v for k, v in parsed.items() if k in Mechanisms.model_fields}
@@ -332,6 +332,8 @@ def _proxy_settings(system: str) -> Callable[[WorkflowOptions, dict[str, str]], 
             "weights_keep_alive_s": options.keep_alive_s if keep is None else keep,
             "completion": parsed.get("completion") or env_default("completion") or "poll",
             "channel": parsed.get("channel") or env_default("channel") or "shm",
+            # the library knobs the proxy takes from the environment (`STREAMBOX_MEMORY__PROFILES`)
+            "tuning": build(Tuning, system).tuning(),
         }
 
     return resolve

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from streambox.arg_types import http_url, non_negative_int, port, positive_int, positive_seconds, shape
-from streambox.config import SYSTEMS, Config
+from streambox.config import SYSTEMS, Config, unknown_environment
 from streambox.flags import DEVICE, MECHANISMS, RUN, add_deprecated_alias, add_setting_flags, config_from
 
 
@@ -409,6 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_command_in(argv)).parse_args(argv)
     try:
+        for line in unknown_environment(os.environ):
+            print(f"streambox {args.command}: note: {line}", file=sys.stderr)
         return int(command_handler(args)(args))
     except KeyboardInterrupt as interrupted:  # Ctrl-C: one line, the status a shell gives it
         why = f": {interrupted}" if str(interrupted) else ""

@@ -21,7 +21,9 @@ and what is allowed. This module imports neither torch nor any device library (t
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -240,6 +242,16 @@ class Mechanisms(SettingsModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _recycler_needs_eager_recycling(self) -> Mechanisms:
+        if self.recycler is not None and not self.resolved_pool_mode.eager_recycling:
+            raise ValueError(
+                f"recycler {self.recycler!r}: where eager recycling runs, which pool_mode "
+                f"{self.resolved_pool_mode.value!r} does not do (system {self.system!r}); set pool_mode "
+                f"fm or fm+rs or drop it"
+            )
+        return self
+
     # -- resolved -----------------------------------------------------------------------------
     @property
     def resolved_pool_mode(self) -> PoolMode:
@@ -427,6 +439,29 @@ class Settings(BaseSettings, DeviceFields, Mechanisms, RunOptions, Tuning):
         given = {name: getattr(self, name) for name in fields if name in self.model_fields_set}
         base = {name: getattr(self, name) for name in fields}
         return build(Config, "environment", **{**base, **defaults, **given})
+
+
+#: `STREAMBOX_*` variables read outside `Settings`, each where it is used (the emulated device's
+#: framework runtime, nvcc's path, the heap freeze, the proxy's control-key pipe).
+OTHER_ENVIRONMENT = (
+    "MODEL_SHAPES", "FRAMEWORK_MEMORY", "FRAMEWORK_INIT_S", "NVCC", "FREEZE_HEAP", "CONTROL_KEY_FD"
+)
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """A line for each `STREAMBOX_*` variable in `environ` that nothing reads (a misspelt
+    `STREAMBOX_POOLMODE` ran the default silently), with the nearest name that is read."""
+    known = sorted({name.upper() for name in Settings.model_fields} | set(OTHER_ENVIRONMENT))
+    groups = tuple(f"{group.upper()}__" for group in Tuning.model_fields)
+    lines = []
+    for name in environ:
+        rest = name.upper().removeprefix(ENV_PREFIX)
+        if rest == name.upper() or rest in known or rest.startswith(groups):
+            continue
+        close = difflib.get_close_matches(rest, known, n=1, cutoff=0.75)
+        hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
+        lines.append(f"{name} is not a setting StreamBox reads and changes nothing{hint}")
+    return lines
 
 
 def env_default(name: str) -> Any:

@@ -160,3 +160,23 @@ def test_group_mistakes_name_the_group_and_field(groups: dict, message: str) -> 
 
     with pytest.raises(SettingsError, match=message):
         ProxyConfig(workflow="wf", functions=(), **groups)
+
+
+def test_a_streambox_variable_nothing_reads_is_named_with_the_nearest_one() -> None:
+    """`STREAMBOX_POOLMODE=static` ran the default pool without a word."""
+    from streambox.config import unknown_environment
+
+    environ = {
+        "STREAMBOX_POOLMODE": "static",
+        "STREAMBOX_POOL_MODE": "fm",
+        "STREAMBOX_POOL__CHUNK_BYTES": "1",
+        "streambox_state_dir": "/tmp",
+        "STREAMBOX_NVCC": "nvcc",
+        "STREAMBOX_PREWARM": "0",
+        "HOME": "/",
+    }
+    assert unknown_environment(environ) == [
+        "STREAMBOX_POOLMODE is not a setting StreamBox reads and changes nothing; did you mean "
+        "STREAMBOX_POOL_MODE?",
+        "STREAMBOX_PREWARM is not a setting StreamBox reads and changes nothing",
+    ]

@@ -194,8 +194,12 @@ class Session:
         )
         if was_interrupted(results[-1].summary):
             raise KeyboardInterrupt(f"the replay comparison in {folder} was interrupted")  # no figure of it
+        from ..run import run_label
+
         for r in results:
-            self._note_label(r.run_dir, str(r.summary.get("label")), r.config.labelled({}))
+            system_config = _json_object(r.run_dir / "config.json") or {}
+            asked = run_label(r.config, system_config.get("system_config") or {}, environ={})
+            self._note_label(r.run_dir, str(r.summary.get("label")), asked)
         return {r.config.system: r.run_dir for r in results}
 
     def _note_label(self, run_dir: Path, label: str, asked: str) -> None:
@@ -235,14 +239,15 @@ class Session:
             wanted = replay_config(system=system, out=run_dir, **size.options())
             differ = same_measurement(stored["config"], wanted)
             request = SystemRequest(system, tuple(wanted.workflows), options=dict(wanted.system_options))
-            label = run_label(wanted, resolve_system(system, request).describe())
+            described = resolve_system(system, request).describe()
+            label = run_label(wanted, described)
             if stored.get("label") != label:
                 differ.append(f"label {stored.get('label')!r}, not {label!r}")
             if differ:
                 print(f"not reusing {run_dir}: it measured another run ({', '.join(differ)})", flush=True)
                 return None
             runs[system] = run_dir
-            self._note_label(run_dir, str(stored.get("label")), wanted.labelled({}))
+            self._note_label(run_dir, str(stored.get("label")), run_label(wanted, described, environ={}))
         print(f"reusing the replay comparison in {folder}", flush=True)
         self._reused.append(self.relative(folder))
         return runs

@@ -1,6 +1,6 @@
 """The proxy's per-run ablation switches, end to end: two proxies of one workflow, one per setting.
 
-- `static`: pool mode `static`, IO daemon off (FIFO copies), background recycler;
+- `static`: pool mode `static`, IO daemon off (FIFO copies);
 - `fm+rs`: StreamBox's pool (resilient scaling), the IO daemon on (weights included), model weights
   kept 0 s after their last user (so every request loads them again, through the daemon).
 """
@@ -32,7 +32,7 @@ HANDLERS = textwrap.dedent(
 )
 
 SETTINGS = {
-    "static": {"pool_mode": "static", "io_daemon": "off", "recycler": "thread"},
+    "static": {"pool_mode": "static", "io_daemon": "off"},
     "fm+rs": {"pool_mode": "fm+rs", "io_daemon": "on", "weights_keep_alive_s": "0"},
 }
 
@@ -66,7 +66,7 @@ def _eager_logits(zoo_model, seed: int) -> torch.Tensor:
 
 def test_stats_report_the_resolved_settings(proxies):
     static = proxies["static"].stats()["settings"]
-    assert (static["pool_mode"], static["io_daemon"], static["recycler"]) == ("static", False, "thread")
+    assert (static["pool_mode"], static["io_daemon"], static["recycler"]) == ("static", False, "kernel")
     assert static["io_block_bytes"] is None and static["io_label"] == "stream-only"
     rs = proxies["fm+rs"].stats()["settings"]
     assert (rs["pool_mode"], rs["io_daemon"], rs["recycler"]) == ("fm+rs", True, "kernel")

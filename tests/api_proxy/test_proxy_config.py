@@ -61,7 +61,7 @@ def test_each_switch_overrides_one_mechanism():
 
 
 def test_json_round_trip_keeps_the_switches():
-    c = config(pool_mode="static", io_daemon=True, bt=False, pa=False, recycler="thread", device_mode="timed")
+    c = config(pool_mode="fm", io_daemon=True, bt=False, pa=False, recycler="thread", device_mode="timed")
     c = c.with_overrides(functions=(ProxyFunction("f", "m:f", models=("resnet18",)),))
     assert ProxyConfig.from_json(c.to_json()) == c
     assert c.settings()["device"]["device_mode"] == "timed"
@@ -77,6 +77,7 @@ def test_json_round_trip_keeps_the_switches():
         ({"weights_keep_alive_s": -1}, ["weights_keep_alive_s -1", ">= 0"]),
         ({"io_daemon": False, "rz": "on"}, ["rz", "io_daemon on"]),
         ({"system": "stream-only", "pb": True}, ["pb", "off here"]),
+        ({"system": "stream-only", "recycler": "thread"}, ["recycler 'thread'", "'static' does not"]),
         ({"completion": "spin"}, ["completion 'spin'", "poll, sync"]),
         ({"workflow": "a/b"}, ["workflow 'a/b'", "no '/'"]),
         ({"turbo": True}, ["turbo", "not a known setting"]),

@@ -3,6 +3,8 @@ merged into one mapping with the tree's names."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from streambox.cli import build_parser
@@ -52,7 +54,15 @@ def test_flags_and_set_are_one_mapping_of_the_trees_names() -> None:
         system_options(parser.parse_args(["replay", "--set", "PA=off", "--set", "pa=off"]))
     same = parser.parse_args(["replay", "--set", "pa=false", "--pa", "off"])
     assert system_options(same) == {"pa": "false"}
-    assert ReplayConfig(system_options={"pa": "off"}).label == "streambox[pa=off]"
+    from streambox.replay.run import run_label
+    from streambox.replay.target import SystemRequest, resolve_system
+
+    # The label names and writes each option as the run resolved it: `--pa false` is `pa=off`.
+    config = ReplayConfig(system_options=system_options(same))
+    described = resolve_system(
+        "streambox", SystemRequest("streambox", ("traffic",), options=config.system_options)
+    )
+    assert run_label(config, described.describe(), environ={}) == "streambox[pa=off]"
 
 
 def test_a_comparison_refuses_options_before_its_first_run(tmp_path) -> None:
@@ -92,7 +102,7 @@ def test_a_replay_refuses_a_bad_window_workflow_or_folder_before_writing_anythin
 def test_a_switch_set_in_the_environment_is_part_of_the_runs_label(monkeypatch) -> None:
     """`STREAMBOX_POOL_MODE=static` ablates StreamBox as `--set pool_mode=static` does: the run is
     labelled so (the report sets only the unlabelled system beside the paper's claims)."""
-    from streambox.replay.run import run_label
+    from streambox.replay.run import environment_ignored, run_label
     from streambox.replay.target import SystemRequest, resolve_system
 
     monkeypatch.setenv("STREAMBOX_POOL_MODE", "static")
@@ -101,7 +111,7 @@ def test_a_switch_set_in_the_environment_is_part_of_the_runs_label(monkeypatch) 
     assert (described["settings"]["pool_mode"], described["settings"]["io_daemon"]) == ("static", False)
     assert run_label(ReplayConfig(), described) == "streambox[io_daemon=off,pool_mode=static]"
     given = ReplayConfig(system_options={"Pool-Mode": "fm"})  # --set wins over the environment
-    assert run_label(given, described) == "streambox[Pool-Mode=fm,io_daemon=off]"
+    assert run_label(given, described) == "streambox[io_daemon=off,pool_mode=fm]"  # named as it resolved
     monkeypatch.delenv("STREAMBOX_POOL_MODE")
     monkeypatch.delenv("STREAMBOX_IO_DAEMON")
     plain = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
@@ -109,7 +119,17 @@ def test_a_switch_set_in_the_environment_is_part_of_the_runs_label(monkeypatch) 
     # Any spelling the settings read counts: lower case, and an alias (inputs is model_shapes too).
     monkeypatch.setenv("streambox_pool_mode", "static")
     monkeypatch.setenv("STREAMBOX_MODEL_SHAPES", "full")
-    assert run_label(ReplayConfig(), plain) == "streambox[inputs=full,pool_mode=static]"
+    lower = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
+    assert run_label(ReplayConfig(), lower) == "streambox[inputs=full,pool_mode=static]"
+    # A value the environment sets but the run does not take is no part of its label: said instead.
+    assert run_label(ReplayConfig(), plain) == "streambox"
+    assert sorted(environment_ignored(plain["settings"], {}, os.environ)) == [
+        "STREAMBOX_MODEL_SHAPES=full is set, but this run takes inputs=small (the replay sets it; use --set "
+        "inputs=...)",
+        "STREAMBOX_POOL_MODE=static is set, but this run takes pool_mode=fm+rs (the replay sets it; use "
+        "--set "
+        "pool_mode=...)",
+    ]
     # The device's settings too: an H100 or a functional-mode run was labelled as the V100 timed one,
     # so `paper --reuse` and `report` set it beside the others.
     monkeypatch.delenv("streambox_pool_mode")
@@ -176,3 +196,20 @@ def test_fewer_functions_than_asked_are_said(capsys) -> None:
     workload = build_workload(replay_config(functions=100_000, minutes=2))
     err = capsys.readouterr().err
     assert f"replaying those {len(workload.chosen)}, not the 100000 asked for (--functions)" in err
+
+
+def test_the_environments_library_knobs_are_labelled_and_a_value_the_replay_sets_is_not(monkeypatch) -> None:
+    """`STREAMBOX_MEMORY__PROFILES=false` ran (the scaler saw no profile) but the run was called plain
+    StreamBox; `STREAMBOX_WEIGHTS_KEEP_ALIVE_S=5` was in the label though the replay set 600 s."""
+    from streambox.replay.run import environment_ignored, run_label
+    from streambox.replay.target import SystemRequest, resolve_system
+
+    monkeypatch.setenv("STREAMBOX_MEMORY__PROFILES", "false")
+    monkeypatch.setenv("STREAMBOX_WEIGHTS_KEEP_ALIVE_S", "5")
+    described = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
+    assert described["settings"]["tuning"] == {"memory": {"profiles": False}}
+    assert run_label(ReplayConfig(), described) == "streambox[memory.profiles=off]"
+    assert environment_ignored(described["settings"], {}, os.environ) == [
+        "STREAMBOX_WEIGHTS_KEEP_ALIVE_S=5 is set, but this run takes weights_keep_alive_s=600.0 (the replay "
+        "sets it; use --set weights_keep_alive_s=...)"
+    ]
