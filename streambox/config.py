@@ -464,6 +464,21 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
     return lines
 
 
+#: `STREAMBOX_*` variables that say where things are kept or how the tools are found, not what runs.
+WHERE_ENVIRONMENT = ("STATE_DIR", "MODEL_POOL", "NVCC", "CONTROL_KEY_FD")
+
+
+def settings_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The `STREAMBOX_*` variables in `environ` that change what runs (a mechanism, the device, a
+    library knob), upper-cased: what a measurement taken under them must record."""
+    where = {f"{ENV_PREFIX}{name}" for name in WHERE_ENVIRONMENT}
+    return {
+        name.upper(): value
+        for name, value in environ.items()
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in where
+    }
+
+
 def env_default(name: str) -> Any:
     """A run option's value from the environment (or the tree's default), e.g. `inputs`."""
     return getattr(build(RunOptions, "environment (STREAMBOX_*)"), name)

@@ -180,3 +180,11 @@ def test_a_streambox_variable_nothing_reads_is_named_with_the_nearest_one() -> N
         "STREAMBOX_POOL_MODE?",
         "STREAMBOX_PREWARM is not a setting StreamBox reads and changes nothing",
     ]
+
+
+def test_the_environment_a_measurement_records_is_what_changes_what_runs() -> None:
+    from streambox.config import settings_environment
+
+    environ = {"streambox_io_daemon": "off", "STREAMBOX_POOL__CHUNK_BYTES": "1"}
+    environ |= {"STREAMBOX_STATE_DIR": "/tmp", "STREAMBOX_MODEL_POOL": "/p", "HOME": "/"}
+    assert settings_environment(environ) == {"STREAMBOX_IO_DAEMON": "off", "STREAMBOX_POOL__CHUNK_BYTES": "1"}

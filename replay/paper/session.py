@@ -9,10 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from streambox.config import settings_environment
 
 from ..target import PLANNED_SYSTEMS, known_systems
 
@@ -210,9 +212,14 @@ class Session:
         """What ran under a system's name with options of its own (an ablation set in the environment,
         `STREAMBOX_POOL_MODE=static`), among the runs a table's `sources` (files, relative to `out`)
         were read from: its rows are that run's, not the system's as the paper ran it."""
+        sources = list(sources)
         read = {Path(source).parent.as_posix() for source in sources}
         labelled = sorted(self._labelled.items())
-        return [f"the rows from {run} are {label}'s" for run, label in labelled if run in read]
+        return [
+            label if run in sources else f"the rows from {run} are {label}'s"
+            for run, label in labelled
+            if run in read or run in sources
+        ]
 
     def _reused_comparison(
         self, folder: Path, size: ReplaySize, systems: Sequence[str] | None = None
@@ -282,10 +289,14 @@ class Session:
             raise FigureUnavailable(f"{name} needs the repository's benchmarks/ folder (a source checkout)")
         target = self.out / "bench" / f"{name}.json"
         args = ["--quick", *(SMOKE_ARGS.get(name, ()) if self.quick else ())]
-        given = target.with_suffix(".args.json")  # the arguments it ran with, for --reuse
-        if self.reuse and target.exists() and given.exists() and _json_value(given) == args:
+        # The arguments and the switches the environment sets (it reaches the benchmark's proxies and
+        # pools), for --reuse and for the tables' notes.
+        ran = {"args": args, "environment": settings_environment(os.environ)}
+        given = target.with_suffix(".args.json")
+        if self.reuse and target.exists() and given.exists() and _json_value(given) == ran:
             print(f"reusing {target}", flush=True)
             self._reused.append(self.relative(target))
+            self._note_environment(target, ran["environment"])
             self._benchmarks[name] = target
             return target
         self._measured = True
@@ -298,9 +309,16 @@ class Session:
         if done.returncode != 0 or not target.exists():
             tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
             raise FigureUnavailable(f"{name} failed (exit {done.returncode}): " + " | ".join(tail))
-        given.write_text(json.dumps(args))
+        given.write_text(json.dumps(ran))
+        self._note_environment(target, ran["environment"])
         self._benchmarks[name] = target
         return target
+
+    def _note_environment(self, target: Path, environment: Mapping[str, str]) -> None:
+        if environment:  # an ablation set in the environment: the benchmark's rows are not the system's
+            listed = " ".join(f"{k}={v}" for k, v in sorted(environment.items()))
+            where = self.relative(target)
+            self._labelled[where] = f"the rows from {where} were measured with {listed}"
 
     def bench_results(self, name: str) -> dict[str, Any]:
         return json.loads(self.benchmark(name).read_text())["results"]

@@ -307,3 +307,27 @@ def test_an_interrupted_comparison_builds_no_figure_and_is_never_reused(tmp_path
     (run / "config.json").write_text("{}")
     (run / "summary.json").write_text(json.dumps({"requests": {"stopped_by": "interrupted"}}))
     assert session._reused_comparison(tmp_path / "replay", QUICK) is None
+
+
+def test_a_benchmark_measured_under_an_environment_switch_is_said_and_not_reused_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`STREAMBOX_IO_DAEMON=off paper 16` built figure 16 with StreamBox's IO daemon off, said nothing,
+    and `--reuse` without the variable took it as StreamBox's."""
+    from streambox.replay.paper.session import FigureUnavailable, Session
+
+    monkeypatch.setenv("STREAMBOX_IO_DAEMON", "off")
+    target = tmp_path / "bench" / "bench_nosuch.json"  # a benchmark that cannot run: reuse or fail
+    target.parent.mkdir()
+    target.write_text(json.dumps({"results": {}}))
+    ran = {"args": ["--quick"], "environment": {"STREAMBOX_IO_DAEMON": "off"}}
+    target.with_suffix(".args.json").write_text(json.dumps(ran))
+    session = Session(tmp_path, quick=False, systems=("streambox",), reuse=True)
+    assert session.benchmark("bench_nosuch") == target  # reused: measured as asked now
+    assert session.runs_note(["bench/bench_nosuch.json"]) == [
+        "the rows from bench/bench_nosuch.json were measured with STREAMBOX_IO_DAEMON=off"
+    ]
+    assert session.runs_note(["replay/streambox/summary.json"]) == []
+    monkeypatch.delenv("STREAMBOX_IO_DAEMON")
+    with pytest.raises(FigureUnavailable, match="bench_nosuch failed"):  # measured again, not reused
+        Session(tmp_path, quick=False, systems=("streambox",), reuse=True).benchmark("bench_nosuch")
