@@ -362,13 +362,15 @@ def _versions() -> dict[str, str]:
 async def _drive(
     target: Target, workload: Workload, config: ReplayConfig, on_started: Callable[[], None] | None = None
 ):
+    """`drive` between the target's start and close; `on_started()` after the start and again once the
+    requests are done, before the close (what the system reported while it ran)."""
     await target.start()
     stop = asyncio.Event()
     try:
         if on_started is not None:
             on_started()
         with _interruptible(stop):
-            return await drive(
+            result = await drive(
                 target,
                 workload.arrivals,
                 slo_s=config.slo_ms / 1e3,
@@ -381,6 +383,9 @@ async def _drive(
                 progress=config.progress,
                 stop=stop,
             )
+        if on_started is not None:
+            on_started()
+        return result
     finally:
         await target.close()
 
@@ -516,7 +521,8 @@ async def _record(
     }
     write_json(run_dir / "config.json", described)
 
-    def started() -> None:  # what only a started system knows (its invoker's costs, versions, shares)
+    def started() -> None:  # what only a started system knows (its invoker's costs, versions, shares,
+        # the settings its proxies report)
         described["system_config"] = target.describe()
         write_json(run_dir / "config.json", described)
 

@@ -242,6 +242,9 @@ class WorkflowTarget:
     def describe(self) -> dict[str, Any]:
         invoker = self._engine.invoker if self._engine is not None else None
         described = getattr(invoker, "describe", None)
+        last_stats = getattr(invoker, "last_stats", None)
+        last = last_stats() if callable(last_stats) else {}
+        reported = {workflow: stats["settings"] for workflow, stats in last.items() if "settings" in stats}
         return {
             "target": self.name,
             "inputs": self.options.inputs,
@@ -251,6 +254,8 @@ class WorkflowTarget:
             "device": (self.device.backend, self.device.device_preset),
             "settings": self.settings,
             "invoker": described() if callable(described) else type(invoker).__name__,
+            # each proxy's own `stats.settings`: what ran, beside `settings`, what the replay asked for
+            **({"reported_settings": reported} if reported else {}),
         }
 
     async def close(self) -> None:
@@ -355,6 +360,7 @@ def _proxy_memory(invoker: Invoker) -> dict[str, float]:
         counts = {
             **_prefixed("pool", stats["pool"]["counters"]),
             **_prefixed("io", stats.get("io", {})),
+            **_prefixed("store", stats.get("store", {})),  # PA and AM at work: moves, spills, reclaims
             **_prefixed("proxy", stats.get("process", {})),
             **_prefixed("proxy.thread_cpu_s", stats.get("process", {}).get("threads", {})),
             **_prefixed("proxy.thread_runs", stats.get("process", {}).get("thread_runs", {})),

@@ -6,6 +6,7 @@ later warm ones none. The summary carries the proxy's running counts (`counters`
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
@@ -49,6 +50,11 @@ def test_requests_csv_has_phases_that_add_up(tmp_path):
     counters = result.summary["counters"]  # the proxy's pool and IO daemon, summed, as of the last sample
     assert counters["pool.allocations"] >= counters["pool.frees"] > 0
     assert counters["pool.grows"] >= 1 and counters["io.blocks"] >= 1
+    assert counters["store.puts"] >= 1  # the managed store's counters too (PA and AM show there)
+    # What the proxy itself reported running, beside what the replay asked for.
+    system_config = json.loads((result.run_dir / "config.json").read_text())["system_config"]
+    reported = system_config["reported_settings"]["image-processing"]
+    assert (reported["pool_mode"], reported["comm_store"]) == (system_config["settings"]["pool_mode"], "managed")
     assert counters["proxy.cpu_user_s"] + counters["proxy.cpu_system_s"] > 0  # the proxy's own CPU time
     # its startup heap (torch and the project's imports) is out of its collections (`gc_pauses`)
     assert counters["proxy.gc_frozen_objects"] > 100_000
