@@ -54,7 +54,8 @@ def test_requests_csv_has_phases_that_add_up(tmp_path):
     # What the proxy itself reported running, beside what the replay asked for.
     system_config = json.loads((result.run_dir / "config.json").read_text())["system_config"]
     reported = system_config["reported_settings"]["image-processing"]
-    assert (reported["pool_mode"], reported["comm_store"]) == (system_config["settings"]["pool_mode"], "managed")
+    asked = system_config["settings"]
+    assert (reported["pool_mode"], reported["comm_store"]) == (asked["pool_mode"], "managed")
     assert counters["proxy.cpu_user_s"] + counters["proxy.cpu_system_s"] > 0  # the proxy's own CPU time
     # its startup heap (torch and the project's imports) is out of its collections (`gc_pauses`)
     assert counters["proxy.gc_frozen_objects"] > 100_000
