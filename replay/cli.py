@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from streambox.config import Config, option_name
+from streambox.config import Config, option_name, system_default
 from streambox.flags import DEVICE, MECHANISMS, RUN, add_setting_flags, flag_of, given_settings
 from streambox.settings_base import SettingsError
 
@@ -88,9 +88,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
         "NAME, each its own proxy or instances (traffic*3)",
     )
     p.add_argument(
-        "--system", default="streambox",
-        help=f"system under test: {systems} (default streambox); several, comma-separated, replay the same "
-        "workload on each into --out/<system> and report them side by side in --out/report",
+        "--system", default=system_default(),
+        help=f"system under test: {systems} (default streambox, or STREAMBOX_SYSTEM); several, "
+        "comma-separated, replay the same workload on each into --out/<system> and report them side by "
+        "side in --out/report",
     )
     p.add_argument(
         "--set",

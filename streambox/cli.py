@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from streambox.arg_types import http_url, non_negative_int, port, positive_int, positive_seconds, shape
-from streambox.config import SYSTEMS, Config, unknown_environment
+from streambox.config import SYSTEMS, Config, system_default, unknown_environment
 from streambox.flags import DEVICE, MECHANISMS, RUN, add_deprecated_alias, add_setting_flags, config_from
 
 
@@ -221,10 +221,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", help="workflow YAML files or bundled workflow names")
     p.add_argument(
         "--system",
-        default="streambox",
+        default=system_default(),
         choices=("streambox", "stream-only", "monolithic"),
-        help="streambox (default), stream-only (the proxy with StreamBox's mechanisms off) or monolithic "
-        "(the baseline: a process and a runtime per function instance, data through Redis)",
+        help="streambox (default; STREAMBOX_SYSTEM), stream-only (the proxy with StreamBox's mechanisms off) "
+        "or monolithic (the baseline: a process and a runtime per function instance, data through Redis)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8080)
@@ -275,7 +275,10 @@ def _burst_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="requests sent first, one at a time, not counted (default 0)",
     )
-    p.add_argument("--system", default="streambox", choices=SYSTEMS, help="streambox (default) | stream-only")
+    p.add_argument(
+        "--system", default=system_default(), choices=SYSTEMS,
+        help="streambox (default; STREAMBOX_SYSTEM) | stream-only",
+    )
     p.add_argument(
         "--via",
         default="gateway",

@@ -479,6 +479,13 @@ def settings_environment(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def system_default(environ: Mapping[str, str] | None = None) -> str:
+    """The `--system` a command runs when not given one: `STREAMBOX_SYSTEM` (any case), else streambox."""
+    environ = os.environ if environ is None else environ
+    given = {name.upper(): value for name, value in environ.items()}.get(f"{ENV_PREFIX}SYSTEM")
+    return given.strip().lower() if given and given.strip() else "streambox"
+
+
 def env_default(name: str) -> Any:
     """A run option's value from the environment (or the tree's default), e.g. `inputs`."""
     return getattr(build(RunOptions, "environment (STREAMBOX_*)"), name)

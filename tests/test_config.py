@@ -188,3 +188,17 @@ def test_the_environment_a_measurement_records_is_what_changes_what_runs() -> No
     environ = {"streambox_io_daemon": "off", "STREAMBOX_POOL__CHUNK_BYTES": "1"}
     environ |= {"STREAMBOX_STATE_DIR": "/tmp", "STREAMBOX_MODEL_POOL": "/p", "HOME": "/"}
     assert settings_environment(environ) == {"STREAMBOX_IO_DAEMON": "off", "STREAMBOX_POOL__CHUNK_BYTES": "1"}
+
+
+def test_streambox_system_is_the_commands_default_system(monkeypatch) -> None:
+    """`STREAMBOX_SYSTEM=stream-only streambox burst traffic` ran StreamBox: checked, then ignored."""
+    from streambox.cli import build_parser
+    from streambox.config import system_default
+
+    assert system_default({}) == "streambox"
+    assert system_default({"streambox_system": " Stream-Only "}) == "stream-only"
+    monkeypatch.setenv("STREAMBOX_SYSTEM", "stream-only")
+    for command in (["burst", "traffic"], ["serve", "traffic"], ["replay"]):
+        assert build_parser(command[:1]).parse_args(command).system == "stream-only"
+    given = build_parser(["burst"]).parse_args(["burst", "traffic", "--system", "streambox"])
+    assert given.system == "streambox"
