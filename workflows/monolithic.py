@@ -272,15 +272,24 @@ class MonolithicInvoker:
             "device_preset": self.config.device_preset,
             "gpus": self.config.gpus,
             "gpu_percent": self.gpu_percent,
+            "gpu_percent_by_function": self.shares(),  # what the instances open their runtimes with
             "func_ipc": self.data_path,
             "redis_version": self.redis_version,
             "cuda_ipc_model": CudaIpcModel().label if self.data_path == "cuda-ipc" else None,
         }
 
-    def share(self, spec: WorkflowSpec) -> int:
-        """The MPS share (GPU%) each instance of `spec` opens its runtime with: the invoker's, else
-        an equal share per function of the workflow (INFless sizes GPU% per function)."""
-        return self.gpu_percent or max(1, 100 // len(spec.functions))
+    def share(self, spec: WorkflowSpec, function: str) -> int:
+        """The MPS share (GPU%) each instance of `function` opens its runtime with: the invoker's, else
+        the function's own (`gpu_percent` in the YAML), else an equal share per function of the
+        workflow (INFless sizes GPU% per function)."""
+        return self.gpu_percent or spec.functions[function].gpu_percent or max(1, 100 // len(spec.functions))
+
+    def shares(self) -> dict[str, dict[str, int]]:
+        """The MPS share of every deployed function, by workflow (for the records: `describe`)."""
+        return {
+            name: {function: self.share(wf.spec, function) for function in wf.spec.functions}
+            for name, wf in self._workflows.items()
+        }
 
     # -- Invoker ---------------------------------------------------------------------------------
     async def deploy(self, spec: WorkflowSpec) -> None:
@@ -726,7 +735,7 @@ class MonolithicInvoker:
             },
             "model_shapes": self.model_shapes,
             "data_path": self._data_path_args(),
-            "gpu_percent": self.share(spec),
+            "gpu_percent": self.share(spec, function),
         }
 
     async def _hello(self, instance: _Instance) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from streambox.replay.systems import WorkflowTarget, load_workflow
 from streambox.replay.target import SystemRequest, resolve_system
 
 REQUESTS = 2
-FUNCTIONS = len(load_workflow("traffic", small=True)[0].functions)
+FUNCTION_NAMES = list(load_workflow("traffic", small=True)[0].functions)
+FUNCTIONS = len(FUNCTION_NAMES)
 # Nothing expires within the run; timed: GPU time is modelled (the replay's default, said here too).
 OPTIONS = {"keep_alive_s": "60", "device_mode": "timed"}
 
@@ -110,6 +111,8 @@ def test_per_instance_systems_run_a_runtime_and_an_mps_share_per_instance(
         assert sample["memory.context_bytes"] > 0
     assert not any(o.cold_start for o in run["outcomes"])  # the pre-warmed instances took the calls
     assert run["settings"]["prewarm"] == 1
+    # The MPS share each instance ran with is recorded (config.json said null): an equal third each.
+    assert run["invoker"]["gpu_percent_by_function"] == {"traffic": dict.fromkeys(FUNCTION_NAMES, 33)}
 
 
 def test_infless_passes_data_through_redis(runs: dict[str, dict[str, Any]]) -> None:

@@ -336,3 +336,25 @@ def test_astraea_keeps_a_producer_alive_past_its_keep_alive_while_its_keys_await
             await invoker.close()
 
     run(scenario())
+
+
+def test_an_instances_mps_share_is_the_invokers_else_the_functions_else_an_equal_one(tmp_path: Path) -> None:
+    """INFless and Astraea ignored a function's `gpu_percent` from the YAML."""
+    spec = parse_spec(
+        textwrap.dedent(
+            """
+            name: shares
+            slo_ms: 200
+            functions:
+              a: {handler: "h:a", gpu_percent: 60}
+              b: {handler: "h:b"}
+            edges: [{from: a, to: b}]
+            """
+        ),
+        "shares.yaml",
+        base_dir=tmp_path,
+        check_handlers=False,
+    )
+    config = _config(tmp_path)
+    assert [MonolithicInvoker(config).share(spec, f) for f in ("a", "b")] == [60, 50]
+    assert [MonolithicInvoker(config, gpu_percent=20).share(spec, f) for f in ("a", "b")] == [20, 20]
