@@ -308,8 +308,9 @@ class SubAllocator:
         merged at the next call that needs the free lists whole (`allocate`, `free`, an `allocate_at`
         of another block, chunk release, `stats`). For blocks likely taken back whole at once (a
         warm instance's buffers, `allocate_at(address, size)`), which then skip the merge and the
-        split. The free lists end as if freed eagerly: coalescing is canonical (the free blocks are
-        the maximal free runs of each chunk), whatever the order of the merges."""
+        split. The free blocks end as if freed eagerly: coalescing is canonical (the free blocks are
+        the maximal free runs of each chunk), whatever the order of the merges; only which of two
+        free blocks of one size `allocate` takes first may differ."""
         self._loose[address] = self._release(address)
 
     def _release(self, address: int) -> int:

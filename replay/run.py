@@ -24,7 +24,7 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
 
 from streambox.config import Config, SettingsModel, option_name
 from streambox.device.modes import device_mode_env
@@ -156,9 +156,13 @@ def _agrees(resolved: Any, raw: str) -> bool:
     """Whether a setting resolved to what the environment's `raw` value says (the environment
     reached the run, rather than a value the replay sets itself)."""
     text = raw.strip().lower()
-    if isinstance(resolved, bool) or resolved is None:
-        words = {True: ("1", "true", "on", "yes"), False: ("0", "false", "off", "no"), None: ("", "none")}
-        return text in words[resolved]
+    if resolved is None:
+        return text in ("", "none")
+    if isinstance(resolved, bool):  # every spelling the settings take (`t`, `n`, `off`, ...)
+        try:
+            return TypeAdapter(bool).validate_python(text) is resolved
+        except ValueError:
+            return False
     if isinstance(resolved, int | float):
         try:
             return float(text) == float(resolved)
@@ -171,6 +175,8 @@ def shown(value: Any) -> str:
     """A resolved setting as a label writes it: `on`/`off` for switches, else its text."""
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))  # 60, not 60.0, as it is given
     return str(value)
 
 
@@ -184,10 +190,12 @@ def environment_options(
     replay sets itself is `environment_ignored`."""
     found = {key: shown(value) for key, _, raw, value in _environment_values(settings, given, environ)
              if _agrees(value, raw)}
-    tuning = settings.get("tuning")
+    tuning = settings.get("tuning")  # only `environ` sets them
+    upper = {name.upper() for name in environ}
     for group, values in (tuning if isinstance(tuning, Mapping) else {}).items():
         for key, value in values.items():
-            found[f"{group}.{key}"] = shown(value)
+            if f"{ENV_PREFIX}{group.upper()}__{key.upper()}" in upper:
+                found[f"{group}.{key}"] = shown(value)
     return found
 
 
@@ -596,11 +604,14 @@ def run_label(
     Pool-Mode=FM+RS` is `pool_mode=fm+rs`)."""
     environ = os.environ if environ is None else environ
     settings = system_config.get("settings") or {}
+    device = settings.get("device")
+    resolved_values = {**(device if isinstance(device, Mapping) else {}), **settings}
     given = {}
     for key, value in config.system_options.items():
         name = option_name(key)
-        resolved = settings.get(name)
-        given[name] = shown(resolved) if name in settings and _agrees(resolved, str(value)) else str(value)
+        resolved = resolved_values.get(name)
+        agrees = name in resolved_values and _agrees(resolved, str(value))
+        given[name] = shown(resolved) if agrees else str(value)
     options = {**environment_options(settings, config.system_options, environ), **given}
     listed = ",".join(f"{k}={v}" for k, v in sorted(options.items()))
     return f"{config.system}[{listed}]" if listed else config.system

@@ -327,8 +327,9 @@ def _proxy_settings(system: str) -> Callable[[WorkflowOptions, dict[str, str]], 
 
         parsed = _proxy_options(system, rest)
         mechanisms = {k: v for k, v in parsed.items() if k in Mechanisms.model_fields}
-        resolved = build(Mechanisms, system, system=system, **mechanisms).resolved()
-        keep = parsed.get("weights_keep_alive_s")
+        built = build(Mechanisms, system, system=system, **mechanisms)
+        resolved = built.resolved()
+        keep = built.weights_keep_alive_s  # --set, else `STREAMBOX_WEIGHTS_KEEP_ALIVE_S` (as the proxy)
         return {
             **resolved,
             "startup": proxy_startup(parsed.get("prewarm", DEFAULT_PREWARM)),

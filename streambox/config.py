@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -444,38 +444,50 @@ class Settings(BaseSettings, DeviceFields, Mechanisms, RunOptions, Tuning):
 #: `STREAMBOX_*` variables read outside `Settings`, each where it is used (the emulated device's
 #: framework runtime, nvcc's path, the heap freeze, the proxy's control-key pipe).
 OTHER_ENVIRONMENT = (
-    "MODEL_SHAPES", "FRAMEWORK_MEMORY", "FRAMEWORK_INIT_S", "NVCC", "FREEZE_HEAP", "CONTROL_KEY_FD"
+    "MODEL_SHAPES", "FRAMEWORK_MEMORY", "FRAMEWORK_INIT_S", "NVCC", "FREEZE_HEAP", "CONTROL_KEY_FD",
+    "SLOW_TESTS",  # the test suite's own (tests/kernel_compiler)
 )
+
+
+def _known_names() -> list[str]:
+    return sorted({name.upper() for name in Settings.model_fields} | set(OTHER_ENVIRONMENT))
+
+
+def _unread(name: str, known: Sequence[str]) -> bool:
+    """Whether `name` is a `STREAMBOX_*` variable that nothing reads."""
+    rest = name.upper().removeprefix(ENV_PREFIX)
+    groups = tuple(f"{group.upper()}__" for group in Tuning.model_fields)
+    return rest != name.upper() and rest not in known and not rest.startswith(groups)
 
 
 def unknown_environment(environ: Mapping[str, str]) -> list[str]:
     """A line for each `STREAMBOX_*` variable in `environ` that nothing reads (a misspelt
     `STREAMBOX_POOLMODE` ran the default silently), with the nearest name that is read."""
-    known = sorted({name.upper() for name in Settings.model_fields} | set(OTHER_ENVIRONMENT))
-    groups = tuple(f"{group.upper()}__" for group in Tuning.model_fields)
+    known = _known_names()
     lines = []
     for name in environ:
-        rest = name.upper().removeprefix(ENV_PREFIX)
-        if rest == name.upper() or rest in known or rest.startswith(groups):
-            continue
-        close = difflib.get_close_matches(rest, known, n=1, cutoff=0.75)
-        hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
-        lines.append(f"{name} is not a setting StreamBox reads and changes nothing{hint}")
+        if _unread(name, known):
+            rest = name.upper().removeprefix(ENV_PREFIX)
+            close = difflib.get_close_matches(rest, known, n=1, cutoff=0.75)
+            hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
+            lines.append(f"{name} is not a setting StreamBox reads and changes nothing{hint}")
     return lines
 
 
-#: `STREAMBOX_*` variables that say where things are kept or how the tools are found, not what runs.
-WHERE_ENVIRONMENT = ("STATE_DIR", "MODEL_POOL", "NVCC", "CONTROL_KEY_FD")
+#: `STREAMBOX_*` variables read that say where things are kept, how tools are found or which tests
+#: run, not what runs.
+WHERE_ENVIRONMENT = ("STATE_DIR", "MODEL_POOL", "NVCC", "CONTROL_KEY_FD", "SLOW_TESTS")
 
 
 def settings_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The `STREAMBOX_*` variables in `environ` that change what runs (a mechanism, the device, a
-    library knob), upper-cased: what a measurement taken under them must record."""
-    where = {f"{ENV_PREFIX}{name}" for name in WHERE_ENVIRONMENT}
+    library knob; none that nothing reads), upper-cased: what a measurement taken under them must
+    record."""
+    known, where = _known_names(), {f"{ENV_PREFIX}{name}" for name in WHERE_ENVIRONMENT}
     return {
-        name.upper(): value
+        name.upper(): value.strip()
         for name, value in environ.items()
-        if name.upper().startswith(ENV_PREFIX) and name.upper() not in where
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in where and not _unread(name, known)
     }
 
 

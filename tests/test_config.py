@@ -187,6 +187,7 @@ def test_the_environment_a_measurement_records_is_what_changes_what_runs() -> No
 
     environ = {"streambox_io_daemon": "off", "STREAMBOX_POOL__CHUNK_BYTES": "1"}
     environ |= {"STREAMBOX_STATE_DIR": "/tmp", "STREAMBOX_MODEL_POOL": "/p", "HOME": "/"}
+    environ |= {"STREAMBOX_POOLMODE": "static", "STREAMBOX_SLOW_TESTS": "1"}  # read by nothing; a test's
     assert settings_environment(environ) == {"STREAMBOX_IO_DAEMON": "off", "STREAMBOX_POOL__CHUNK_BYTES": "1"}
 
 

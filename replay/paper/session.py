@@ -293,7 +293,10 @@ class Session:
         # pools), for --reuse and for the tables' notes.
         ran = {"args": args, "environment": settings_environment(os.environ)}
         given = target.with_suffix(".args.json")
-        if self.reuse and target.exists() and given.exists() and _json_value(given) == ran:
+        if self.reuse and target.exists() and given.exists() and _json_value(given) != ran:
+            print(f"not reusing {target}: it ran with other arguments or STREAMBOX_* switches "
+                  f"({_json_value(given)}, not {ran})", flush=True)
+        elif self.reuse and target.exists() and given.exists():
             print(f"reusing {target}", flush=True)
             self._reused.append(self.relative(target))
             self._note_environment(target, ran["environment"])

@@ -198,18 +198,33 @@ def test_fewer_functions_than_asked_are_said(capsys) -> None:
     assert f"replaying those {len(workload.chosen)}, not the 100000 asked for (--functions)" in err
 
 
-def test_the_environments_library_knobs_are_labelled_and_a_value_the_replay_sets_is_not(monkeypatch) -> None:
+def test_the_environments_library_knobs_and_every_spelling_of_a_switch_are_labelled(monkeypatch) -> None:
     """`STREAMBOX_MEMORY__PROFILES=false` ran (the scaler saw no profile) but the run was called plain
-    StreamBox; `STREAMBOX_WEIGHTS_KEEP_ALIVE_S=5` was in the label though the replay set 600 s."""
+    StreamBox; `STREAMBOX_PA=f` is pydantic's false too; the weights' keep-alive the proxy takes from
+    the environment is what the run records and labels."""
     from streambox.replay.run import environment_ignored, run_label
     from streambox.replay.target import SystemRequest, resolve_system
 
     monkeypatch.setenv("STREAMBOX_MEMORY__PROFILES", "false")
     monkeypatch.setenv("STREAMBOX_WEIGHTS_KEEP_ALIVE_S", "5")
+    monkeypatch.setenv("STREAMBOX_PA", "f")
     described = resolve_system("streambox", SystemRequest("streambox", ("traffic",))).describe()
     assert described["settings"]["tuning"] == {"memory": {"profiles": False}}
-    assert run_label(ReplayConfig(), described) == "streambox[memory.profiles=off]"
-    assert environment_ignored(described["settings"], {}, os.environ) == [
-        "STREAMBOX_WEIGHTS_KEEP_ALIVE_S=5 is set, but this run takes weights_keep_alive_s=600.0 (the replay "
-        "sets it; use --set weights_keep_alive_s=...)"
-    ]
+    assert described["settings"]["weights_keep_alive_s"] == 5.0
+    label = "streambox[memory.profiles=off,pa=off,weights_keep_alive_s=5]"
+    assert run_label(ReplayConfig(), described) == label
+    assert environment_ignored(described["settings"], {}, os.environ) == []
+    # What the figure asked for, without the environment: plain (a paper table then names the ablation).
+    assert run_label(ReplayConfig(), described, environ={}) == "streambox"
+
+
+def test_given_options_are_labelled_as_they_resolved() -> None:
+    """`--set pa=f` and `--set device_mode=FUNCTIONAL` were labelled as typed; numbers as given."""
+    from streambox.replay.run import run_label
+    from streambox.replay.target import SystemRequest, resolve_system
+
+    config = ReplayConfig(system_options={"pa": "f", "device_mode": "FUNCTIONAL", "keep_alive_s": "60"})
+    request = SystemRequest("streambox", ("traffic",), options=config.system_options)
+    described = resolve_system("streambox", request).describe()
+    label = "streambox[device_mode=functional,keep_alive_s=60,pa=off]"
+    assert run_label(config, described, environ={}) == label
