@@ -125,14 +125,14 @@ def _environment_values(
     """(key, the variable, its value, the resolved value) of each setting that `environ` names
     (`STREAMBOX_<NAME>`, any case, or an alias) and `--set` does not: the settings the environment
     reads (`Settings`), and the device's where unlike the replay's own device."""
-    from streambox.config import Settings
+    from streambox.config import Settings, Tuning
 
     named = {option_name(k) for k in given}
     upper = {name.upper(): value for name, value in environ.items()}  # as the settings read it
     device = settings.get("device")  # the device's settings sit one level down: those unlike the
     device = device if isinstance(device, Mapping) else {}  # replay's own (the emulated V100, timed)
     plain = _replay_device()
-    read = set(Settings.model_fields) - {"system", "device", *TUNING_GROUPS}
+    read = set(Settings.model_fields) - {"system", "device", *Tuning.model_fields}  # the groups: by key
     keys = [(k, settings[k]) for k in settings if k in read]
     keys += [(k, v) for k, v in device.items() if k in plain and str(v) != plain[k]]
     found = []
@@ -146,10 +146,6 @@ def _environment_values(
                 found.append((key, variable, raw, value))
                 break
     return found
-
-
-#: `Settings`' groups of library knobs (`STREAMBOX_POOL__CHUNK_BYTES`): labelled key by key.
-TUNING_GROUPS = ("pool", "store", "memory")
 
 
 def _agrees(resolved: Any, raw: str) -> bool:
