@@ -18,7 +18,8 @@ then runs it on its own stream:
 
 A batch that closes with its leader alone is not a batch: the leader's `infer` runs its own plan as
 if unbatched (no gathering copies; it only waited). Other members (followers) never run anything. A
-member whose invocation ended before the batch ran is left out. A leader whose call is dropped before
+member whose invocation ended before the batch ran is left out (out of the open batch at once: its
+samples no longer fill it). A leader whose call is dropped before
 its followers got their rows (its request timed out or failed, its instance died) hands the batch on:
 the first follower still alive leads it (waits for it to close, or runs it at once), so one request
 never fails another's call. A batch whose run fails (the plan, the memory) fails its followers' calls
@@ -28,6 +29,7 @@ with that error.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -50,6 +52,8 @@ if TYPE_CHECKING:
     from .ops import CallContext
     from .resources import Resources
 
+#: How many recent batches' sizes the stats report (and the proxy keeps).
+RECENT_SIZES = 256
 #: What a follower's `result` carries when the leader was dropped and it leads the batch instead.
 LEAD: Any = object()
 
@@ -78,11 +82,15 @@ class Member:
         return inst.state != "dead" and inst.invocation is self.call.inv
 
 
-def limits_of(spec: ProxyFunction) -> Limits | None:
-    """The function's batching limits, or None when its infers run alone."""
+def limits_of(spec: ProxyFunction, *, one_call_per_instance: bool = False) -> Limits | None:
+    """The function's batching limits, or None when its infers run alone. `one_call_per_instance`
+    (the proxy, whose instances run one invocation at a time): a batch holding `max_instances` calls
+    closes at once, as no other invocation of the function can be running to join it (with
+    `max_instances` 1 every call runs at once, alone, instead of waiting out the delay)."""
     if spec.max_batch_size <= 1 or spec.max_queue_delay_s <= 0:
         return None
-    return Limits(spec.max_batch_size, spec.max_queue_delay_s)
+    members = spec.max_instances if one_call_per_instance else None
+    return Limits(spec.max_batch_size, spec.max_queue_delay_s, members)
 
 
 def batch_sizes(spec: ProxyFunction) -> list[int]:
@@ -112,7 +120,7 @@ class Batching:
         self.gatherer: Gatherer[Member] = Gatherer()
         self.batches_run = 0
         self.members_batched = 0
-        self.sizes: list[int] = []  # samples of each batch run
+        self.sizes: deque[int] = deque(maxlen=RECENT_SIZES)  # samples of each recent batch run
         self.alone = 0  # batches that closed with no call but their first: run as plain infers
         self.handed_on = 0  # batches whose leader was dropped and a follower led instead
 
@@ -122,15 +130,20 @@ class Batching:
         return {
             "batches": self.batches_run,
             "members": self.members_batched,
-            "sizes": self.sizes[-256:],
+            "sizes": list(self.sizes),
             "alone": self.alone,
             "handed_on": self.handed_on,
         }
 
     def join(self, model: str, member: Member, limits: Limits, now: float) -> Batch[Member]:
-        """`member` joins the open batch of its function, model and per-sample inputs."""
+        """`member` joins the open batch of its function, model and per-sample inputs, once the
+        followers that ended there have left it (their samples would fill it)."""
         signature = tuple((str(t.dtype), tuple(t.shape[1:])) for t in member.inputs)
         kind = (member.call.inst.spec.name, model, signature)
+        waiting = self.gatherer.open_batch(kind)
+        for ended in [m for m in waiting.members[1:] if not m.alive] if waiting is not None else []:
+            self.gatherer.leave(waiting, ended)
+            release(ended)
         batch, closed = self.gatherer.add(kind, member, member.samples, limits, now)
         for done in closed:
             self._hand_over(done)
@@ -153,6 +166,11 @@ class Batching:
             if not member.result.done():
                 member.result.set_exception(why)
 
+    def leave(self, batch: Batch[Member], gone: Member) -> None:
+        """A follower `gone` was dropped while it waited: out of its batch if still open, so its
+        samples no longer fill it (a closed batch's run leaves out the members that ended)."""
+        self.gatherer.leave(batch, gone)
+
     def hand_on(self, batch: Batch[Member], gone: Member) -> None:
         """The leader `gone` was dropped before its followers got their rows: the first follower still
         alive and waiting leads the batch instead (told through its `result`: `LEAD`; its `closed` is
@@ -161,6 +179,9 @@ class Batching:
         successor = next(waiting, None)
         if successor is None:
             self.gatherer.discard(batch)
+            for member in batch.members:
+                if member is not gone:
+                    release(member)
             return
         batch.hand_on(gone, successor)
         self.handed_on += 1
@@ -172,6 +193,14 @@ class Batching:
     def _hand_over(batch: Batch[Member]) -> None:
         if not batch.leader.closed.done():
             batch.leader.closed.set_result(batch)
+
+
+def release(member: Member) -> None:
+    """A member that ended before its batch ran, left out of it: its call (parked on `result`) is
+    resumed, to be closed as its instance's or invocation's end requires, and lets go of what it
+    holds (a hold on the model's weights)."""
+    if not member.result.done():
+        member.result.set_exception(ProxyError("the call ended before its batch ran"))
 
 
 def infer_batched(
@@ -191,9 +220,11 @@ def infer_batched(
             got = yield Offload(member.result, f"the batched inference of {model!r}")
             if got is not LEAD:
                 return got  # type: ignore[no-any-return]
-    except GeneratorExit:  # dropped after it was told to lead, before it could
+    except GeneratorExit:  # dropped while it waited (as a follower, or told to lead, before it could)
         if batch.leader is member:
             res.batching.hand_on(batch, member)
+        else:
+            res.batching.leave(batch, member)
         raise
     return (yield from _lead(res, call, model, member, batch, run_plan))
 
@@ -221,6 +252,9 @@ def _run_batch(
     res: Resources, call: CallContext, model: str, batch: Batch[Member], run_plan: RunPlan
 ) -> Generator[Wait, Any, list[Handle]]:
     members = [m for m in batch.members if m is batch.leader or m.alive]
+    for ended in batch.members:
+        if ended not in members:
+            release(ended)
     total = sum(m.samples for m in members)
     sample_shape = tuple(members[0].inputs[0].shape[1:])
     plan = yield from res.plan_for(model, total, sample_shape)

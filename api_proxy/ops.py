@@ -91,7 +91,7 @@ def op_infer(res: Resources, call: CallContext, model: str, inputs: list[Any]) -
         yield from res.uploads_issued(call.inst)
         with (yield from res.weights(plan)):  # the weights may have gone while the uploads waited
             tensors = _checked_inputs(model, plan, given)
-            limits = limits_of(call.inst.spec)
+            limits = limits_of(call.inst.spec, one_call_per_instance=True)
             if limits is not None and joinable(limits, given):  # gathered with other invocations' infers
                 handles = yield from infer_batched(res, call, model, given, limits, _run_plan)
                 if handles is not None:

@@ -5,7 +5,8 @@ reads) has its invocations gathered by `api_proxy.batcher.Gatherer`, per (workfl
 brings the function's `batch_size` samples; a batch closes when its samples reach `max_batch_size`, or
 `max_queue_delay_ms` after its first invocation arrived (a loop timer checks the deadlines). A closed
 batch is handed to the invoker's `dispatch`, which sends its invocations to ONE instance as one message
-(`monolithic.py`); members whose callers stopped waiting meanwhile are left out.
+(`monolithic.py`); members whose callers stopped waiting meanwhile are left out (of an open batch at
+once: `leave`, so that their samples no longer fill it).
 
 The policy is the proxy's own (pure) code; this is its asyncio shell: timers and futures.
 """
@@ -62,11 +63,18 @@ class BatchQueue:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
 
-    def add(self, kind: Hashable, pending: Pending, samples: int, limits: Limits) -> None:
-        """`pending` joins its function's open batch; batches this closed are dispatched at once."""
-        _, closed = self._gatherer.add(kind, pending, samples, limits, time.monotonic())
+    def add(self, kind: Hashable, pending: Pending, samples: int, limits: Limits) -> Batch[Pending]:
+        """`pending` joins its function's open batch (returned); batches this closed are dispatched at
+        once."""
+        batch, closed = self._gatherer.add(kind, pending, samples, limits, time.monotonic())
         self._hand_over(closed)
         self._arm()
+        return batch
+
+    def leave(self, batch: Batch[Pending], pending: Pending) -> None:
+        """`pending`'s caller stopped waiting: out of `batch` if it is still open, so its samples no
+        longer fill it (a closed batch is sent without the members that stopped waiting)."""
+        self._gatherer.leave(batch, pending)
 
     def fail_all(self, error: Callable[[Hashable], BaseException]) -> None:
         """Fail every waiting invocation with `error(its batch's kind)` (the invoker closes)."""

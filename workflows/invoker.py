@@ -76,6 +76,8 @@ class RuntimeStats:
     pool_used_bytes: int  # of which handed out (weights, activations, stored data)
     instances: Mapping[str, int] = field(default_factory=dict)  # live function instances per function
     unprofiled_runs: int = 0  # model runs the pool's scaler saw without an offline profile (fm+rs)
+    batches: int = 0  # batched inferences run (more than one invocation each; docs/workflows.md)
+    batched_calls: int = 0  # the invocations' calls they served
 
 
 #: The callback the gateway polls on each scrape of `/metrics`.

@@ -17,6 +17,8 @@ Runtime side, read at each scrape from the stats callback (`invoker.StatsSource`
 - ``streambox_pool_reserved_bytes{workflow,device}``, ``streambox_pool_used_bytes{workflow,device}``;
 - ``streambox_function_instances{workflow,function}``;
 - ``streambox_unprofiled_runs{workflow}``: model runs the pool's scaler saw without an offline profile;
+- ``streambox_batches_total{workflow}``, ``streambox_batched_calls_total{workflow}``: batched inferences
+  run (more than one invocation each) and the calls they served (docs/workflows.md, "Batching");
 - ``streambox_runtime_stats_up``: 0 when the callback failed (the other metrics are still served).
 """
 
@@ -33,7 +35,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .engine import RequestResult
@@ -71,6 +73,12 @@ class _RuntimeCollector(Collector):
         unprofiled = GaugeMetricFamily(
             "streambox_unprofiled_runs", "Model runs without an offline profile (fm+rs)", labels=["workflow"]
         )
+        batches = CounterMetricFamily(
+            "streambox_batches", "Batched inferences run (more than one invocation each)", labels=["workflow"]
+        )
+        batched_calls = CounterMetricFamily(
+            "streambox_batched_calls", "Invocations' calls served by batched inferences", labels=["workflow"]
+        )
         up = GaugeMetricFamily("streambox_runtime_stats_up", "1 if the runtime stats were read")
         try:
             rows = list(self._stats())
@@ -80,6 +88,7 @@ class _RuntimeCollector(Collector):
             yield up
             return
         devices: dict[str, tuple[int, int]] = {}
+        batching: dict[str, tuple[int, int]] = {}
         for row in rows:
             device = str(row.device)
             devices[device] = (row.memory_used_bytes, row.memory_total_bytes)
@@ -88,11 +97,16 @@ class _RuntimeCollector(Collector):
             for function, count in row.instances.items():
                 instances.add_metric([row.workflow, function], count)
             unprofiled.add_metric([row.workflow], row.unprofiled_runs)
+            counted = batching.get(row.workflow, (0, 0))  # per workflow: a row per device repeats them
+            batching[row.workflow] = (max(counted[0], row.batches), max(counted[1], row.batched_calls))
+        for workflow, (runs, calls) in batching.items():
+            batches.add_metric([workflow], runs)
+            batched_calls.add_metric([workflow], calls)
         for device, (u, t) in devices.items():
             used.add_metric([device], u)
             total.add_metric([device], t)
         up.add_metric([], 1)
-        yield from (used, total, reserved, pool_used, instances, unprofiled, up)
+        yield from (used, total, reserved, pool_used, instances, unprofiled, batches, batched_calls, up)
 
 
 class GatewayMetrics:

@@ -195,6 +195,8 @@ class _Function:
 class _Workflow:
     spec: WorkflowSpec
     functions: dict[str, _Function]
+    batches_sent: int = 0  # its messages that carried more than one invocation
+    calls_batched: int = 0  # the invocations they carried
 
 
 class MonolithicInvoker:
@@ -381,12 +383,15 @@ class MonolithicInvoker:
         assert fn.limits is not None
         if self._closed:  # `close` already failed the queued ones: this one would wait for ever
             raise InvocationError(fn.name, "InvokerClosed", "the invoker closed")
-        self._batches.add((wf.spec.name, fn.name), pending, fn.samples, fn.limits)
-        try:  # cancelled or timed out while still queued: its batch leaves it out
+        batch = self._batches.add((wf.spec.name, fn.name), pending, fn.samples, fn.limits)
+        try:
             async with asyncio.timeout(_left(pending.deadline)):
                 delivered = await pending.reply
-        except TimeoutError:
-            raise InvocationTimeout(f"{fn.name}: the request's time ran out in its batch") from None
+        except BaseException as exc:  # cancelled or timed out while still queued: out of its batch
+            self._batches.leave(batch, pending)
+            if isinstance(exc, TimeoutError):
+                raise InvocationTimeout(f"{fn.name}: the request's time ran out in its batch") from None
+            raise
         reply = delivered.reply
         if not reply["ok"]:
             raise InvocationError(fn.name, reply["error_type"], reply["message"], reply.get("traceback"))
@@ -426,6 +431,8 @@ class MonolithicInvoker:
                 replies = reply["replies"]
                 self.batches_sent += 1
                 self.calls_batched += len(live)
+                wf.batches_sent += 1
+                wf.calls_batched += len(live)
             for member, answer in zip(live, replies, strict=True):
                 if member.waiting:
                     member.reply.set_result(Delivered(answer, cold, sent - member.started))
@@ -547,7 +554,14 @@ class MonolithicInvoker:
                 pool_reserved_bytes=sum(int(r["pool_reserved_bytes"]) for _, r in members),
                 pool_used_bytes=sum(int(r["pool_used_bytes"]) for _, r in members),
                 instances=instances,
+                **self._batch_counts(workflow),
             )
+
+    def _batch_counts(self, workflow: str) -> dict[str, int]:
+        wf = self._workflows.get(workflow)
+        if wf is None:
+            return {}
+        return {"batches": wf.batches_sent, "batched_calls": wf.calls_batched}
 
     @property
     def starting_instances(self) -> int:

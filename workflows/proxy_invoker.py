@@ -249,6 +249,8 @@ class ProxyInvoker:
                 pool_used_bytes=pool["allocated_bytes"],
                 instances={fn: v["instances"] for fn, v in s["functions"].items()},
                 unprofiled_runs=s.get("profiles", {}).get("unprofiled_runs", 0),
+                batches=s.get("batching", {}).get("batches", 0),
+                batched_calls=s.get("batching", {}).get("members", 0),
             )
 
     def placement(self) -> dict[str, int]:

@@ -45,8 +45,9 @@ Semantics (the engine's, `engine.py`):
   waits up to ``max_queue_delay_ms`` for ``infer`` calls of other invocations of the same function
   on the same model and per-sample input shape and dtype; together (at most ``max_batch_size``
   samples) they run as one inference at the batch size they add up to, and each caller gets its own
-  rows of the outputs. ``max_batch_size`` counts samples (as Triton's does), so it must be at least
-  ``batch_size``. Either at its default (1, 0) leaves every inference unbatched.
+  rows of the outputs. ``max_batch_size`` counts samples (as Triton's does), so it must hold at
+  least two invocations' (``2 x batch_size``); both are set or neither (one alone is a validation
+  error, docs/workflows.md "Batching").
 - The response's output is the result of ``output``, or, by default, of the only sink (function
   without outgoing edges), or a mapping sink -> result when there are several. A function's result is
   a single value when it runs once per request, and a list when a fan-out upstream (not closed by a

@@ -333,19 +333,22 @@ def _check_batching(doc: _Document, name: str, fn: FunctionSpec, workflow_timeou
         )
     else:
         _check_batching_is_on(doc, name, fn)
-    limit_ms = fn.timeout_ms if fn.timeout_ms is not None else workflow_timeout_ms
+    # The request's timeout bounds every invocation in it, whatever the function's own says.
+    limit_ms = workflow_timeout_ms if fn.timeout_ms is None else min(fn.timeout_ms, workflow_timeout_ms)
     if fn.max_batch_size > 1 and fn.max_queue_delay_ms >= limit_ms:
+        which = "the workflow's timeout_ms" if limit_ms == workflow_timeout_ms else "its timeout_ms"
         doc.issue(
             ("functions", name, "max_queue_delay_ms"),
             f"{fn.max_queue_delay_ms:g} ms is not shorter than the invocation's time limit "
-            f"({limit_ms:g} ms): a call no other joins would time out waiting for its batch",
+            f"({limit_ms:g} ms, {which}): a call no other joins would time out waiting for its batch",
         )
 
 
 def _check_batching_is_on(doc: _Document, name: str, fn: FunctionSpec) -> None:
     """Batching needs both settings: one without the other is a slip that would leave every call
     unbatched without a word (docs/workflows.md, "Batching"). (`max_instances` 1 is not one: the
-    per-instance systems send a batch to one instance.)"""
+    per-instance systems send a batch to one instance, and the proxy runs such a function's calls at
+    once, as no other could be waiting to join them.)"""
     if fn.max_batch_size > 1 and fn.max_queue_delay_ms == 0:
         doc.issue(
             ("functions", name, "max_batch_size"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import textwrap
+import time
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ HANDLERS = textwrap.dedent(
     @streambox.function(models=["resnet18"])
     def classify(ctx, event):
         g = torch.Generator().manual_seed(event["seed"])
-        x = ctx.upload(torch.randn(1, 3, 32, 32, generator=g))
+        x = ctx.upload(torch.randn(event.get("n", 1), 3, 32, 32, generator=g))
         if "room" in event:
             _meet(event)
         time.sleep(event.get("late_s", 0.0))
@@ -44,6 +45,7 @@ HANDLERS = textwrap.dedent(
 
 QUOTA = 64 << 20  # each invocation's device bytes
 GROUP_DELAY_S = 2.0  # generous on a loaded machine: a full batch closes before it anyway
+LONG_DELAY_S = 10.0  # the most a batch may wait: one that waited for it shows in the call's time
 FUNCTIONS = (
     ProxyFunction("alone", "batch_handlers:classify", models=("resnet18",)),
     ProxyFunction(  # closes when 3 have joined
@@ -55,8 +57,16 @@ FUNCTIONS = (
         max_batch_size=4, max_queue_delay_ms=500.0,
     ),
     ProxyFunction(  # a long delay: a call may end while its batch is open
-        "slow", "batch_handlers:classify", models=("resnet18",), max_instances=3,
+        "slow", "batch_handlers:classify", models=("resnet18",), max_instances=4,
         max_batch_size=4, max_queue_delay_ms=3000.0,
+    ),
+    ProxyFunction(  # its 2 instances both waiting in a batch: nobody else can join, it closes at once
+        "pair", "batch_handlers:classify", models=("resnet18",), max_instances=2,
+        max_batch_size=4, max_queue_delay_ms=LONG_DELAY_S * 1e3, timeout_ms=3 * LONG_DELAY_S * 1e3,
+    ),
+    ProxyFunction(  # one instance: no call could ever join another, each runs at once
+        "single", "batch_handlers:classify", models=("resnet18",), max_instances=1,
+        max_batch_size=4, max_queue_delay_ms=LONG_DELAY_S * 1e3, timeout_ms=3 * LONG_DELAY_S * 1e3,
     ),
     ProxyFunction(  # no queue delay: unbatched, whatever max_batch_size says
         "nodelay", "batch_handlers:classify", models=("resnet18",), max_instances=2, max_batch_size=4,
@@ -77,10 +87,10 @@ def proxy(tmp_path_factory) -> ProxyProcess:
     started.stop()
 
 
-def _eager(zoo_model, seed: int) -> torch.Tensor:
+def _eager(zoo_model, seed: int, rows: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        return zoo_model("resnet18")(torch.randn(1, 3, 32, 32, generator=g)).flatten()
+        return zoo_model("resnet18")(torch.randn(rows, 3, 32, 32, generator=g)).flatten()
 
 
 def _together(proxy: ProxyProcess, function: str, seeds: list[int], room) -> list[dict]:
@@ -130,8 +140,10 @@ def test_a_call_that_ends_while_its_batch_is_open_is_left_out(proxy, zoo_model, 
     before, pool_bytes = stats["batching"], stats["pool"]["allocated_bytes"]
     room = tmp_path / "room"
     room.mkdir()
-    events = [{"seed": s, "room": str(room), "group": 3} for s in (51, 52, 53)]
-    events[2]["late_s"] = 0.3  # joins after the others: a follower, whose request times out
+    # 51 (1 row) leads; 53 (2 rows) joins, and its request times out while the batch is open; 52 (2
+    # rows) joins after that: 1 + 2 fit in the batch of 4 only if 53's rows left it.
+    events = [{"seed": s, "room": str(room), "group": 3, "n": n} for s, n in ((51, 1), (52, 2), (53, 2))]
+    events[1]["late_s"], events[2]["late_s"] = 1.8, 0.3
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [
             pool.submit(ProxyClient(proxy.address).invoke, "slow", e, f"r{e['seed']}", timeout_s=t)
@@ -143,11 +155,29 @@ def test_a_call_that_ends_while_its_batch_is_open_is_left_out(proxy, zoo_model, 
     # Nothing of the batch stays allocated (<=: a block of an earlier test may be released meanwhile; CI
     # once saw 16 KiB fewer bytes than before, never more).
     after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] <= pool_bytes)
-    assert after["batching"]["batches"] == before["batches"] + 1
-    assert after["batching"]["sizes"][-1] == 2  # the ended call's rows were not gathered
-    for seed, out in zip((51, 52), outputs, strict=True):
-        assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
+    assert after["batching"]["batches"] == before["batches"] + 1  # 51 and 52 together, not each alone
+    assert after["batching"]["sizes"][-1] == 3  # the ended call's rows were not gathered
+    assert after["batching"]["alone"] == before["alone"]
+    for seed, rows, out in zip((51, 52), (1, 2), outputs, strict=True):
+        assert out["shape"] == [rows, 1000]
+        assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed, rows), atol=1e-4)
     assert after["buffers"] == 0 and after["pool"]["allocated_bytes"] <= pool_bytes
+
+
+def test_a_batch_closes_once_every_instance_waits_in_it(proxy, zoo_model, tmp_path):
+    """An instance runs one invocation at a time: a batch holding `max_instances` calls cannot grow,
+    so it runs at once instead of at the end of its delay (10 s here)."""
+    before = proxy.client.stats()["batching"]
+    started = time.perf_counter()
+    outputs = _together(proxy, "pair", [61, 62], tmp_path / "room")
+    single = proxy.client.invoke("single", {"seed": 63})["output"]
+    took = time.perf_counter() - started
+    after = proxy.client.stats()["batching"]
+    assert took < LONG_DELAY_S / 2, f"{took:.1f} s: a batch waited out its delay"
+    assert after["batches"] == before["batches"] + 1 and after["sizes"][-1] == 2  # the pair, together
+    assert after["alone"] == before["alone"] + 1  # the single instance's call: at once, unbatched
+    for seed, out in zip((61, 62, 63), [*outputs, single], strict=True):
+        assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
 
 
 def test_without_a_queue_delay_infers_run_alone(proxy, zoo_model, tmp_path):
@@ -172,6 +202,9 @@ def test_which_functions_batch_which_calls_join_and_which_plans_deploy_prepares(
     spec = ProxyFunction("f", "m:f", max_batch_size=4, max_queue_delay_ms=5.0)
     limits = limits_of(spec)
     assert limits is not None and (limits.max_samples, limits.max_delay_s) == (4, 0.005)
+    assert limits.max_members is None  # the per-instance systems send a batch to one instance
+    on_proxy = limits_of(spec, one_call_per_instance=True)  # a batch can hold one call per instance
+    assert on_proxy is not None and on_proxy.max_members == spec.max_instances
     assert batch_sizes(spec) == [2, 3, 4]
     pairs = ProxyFunction("f", "m:f", batch_size=2, max_batch_size=7, max_queue_delay_ms=1000.0)
     assert batch_sizes(pairs) == [4, 6]
@@ -231,3 +264,32 @@ def test_a_leader_past_its_quota_fails_alone_and_its_followers_get_their_rows(
         assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed), atol=1e-4)
     after = settled(proxy.client, lambda s: s["buffers"] == 0 and s["pool"]["allocated_bytes"] <= pool_bytes)
     assert after["buffers"] == 0 and after["pool"]["allocated_bytes"] <= pool_bytes
+
+
+def test_followers_that_ended_leave_the_open_batch_and_their_parked_calls_are_resumed():
+    """The proxy's side of a batch, on stand-in calls (an instance's state and invocation are all it
+    reads): a follower whose instance died gives its room to the next caller, and its call, parked on
+    its result, is resumed (the dispatcher then closes it, releasing what it holds)."""
+    from types import SimpleNamespace
+
+    from streambox.api_proxy.batched_infer import Batching, Member
+    from streambox.api_proxy.batcher import Limits
+    from streambox.api_proxy.device_tensor import DeviceTensor
+
+    def member(rows: int) -> Member:
+        inv = object()
+        inst = SimpleNamespace(state="busy", invocation=inv, spec=SimpleNamespace(name="f"))
+        x = DeviceTensor(0x1000, torch.float32, (rows, 3), (3, 1), rows * 12)
+        return Member(SimpleNamespace(inst=inst, inv=inv), [x], ready=None)  # type: ignore[arg-type]
+
+    batching, limits = Batching(), Limits(4, 1.0, max_members=4)
+    a, b, c = member(1), member(2), member(2)
+    batch = batching.join("m", a, limits, now=0.0)
+    assert batching.join("m", b, limits, now=0.1) is batch
+    b.call.inst.state = "dead"
+    assert batching.join("m", c, limits, now=0.2) is batch  # 1 + 2 rows: b's 2 no longer count
+    assert batch.members == [a, c] and batching.gatherer.is_open(batch)
+    assert b.result.done() and "ended before its batch ran" in str(b.result.exception())
+    c.call.inst.invocation = object()  # c's request ended (its instance serves another)
+    batching.hand_on(batch, a)  # a dropped too: nobody is left to run it
+    assert not batching.gatherer.is_open(batch) and c.result.exception() is not None

@@ -76,3 +76,28 @@ def test_a_batch_handed_on_is_led_by_the_successor_and_has_room_for_the_leavers_
     g.add("k", "e", 1, FOUR_IN_5MS, now=0.004)
     reopened.hand_on("d", "e")  # still open, now with one sample of four: it waits for more
     assert g.is_open(reopened) and (reopened.members, reopened.total) == (["e"], 1)
+
+
+def test_a_member_that_leaves_an_open_batch_takes_its_samples_out():
+    g: Gatherer[str] = Gatherer()
+    batch, _ = g.add("k", "a", 1, FOUR_IN_5MS, now=0.0)
+    g.add("k", "b", 2, FOUR_IN_5MS, now=0.001)
+    assert g.leave(batch, "b") and (batch.members, batch.total) == (["a"], 1)
+    assert g.add("k", "c", 2, FOUR_IN_5MS, now=0.002) == (batch, [])  # 1 + 2 fit: b's room is free
+    assert not g.leave(batch, "b")  # not in it any more
+    g.add("k", "d", 1, FOUR_IN_5MS, now=0.003)  # full: closed
+    assert not g.leave(batch, "c") and batch.members == ["a", "c", "d"]  # a closed batch is its runner's
+    alone, _ = g.add("k", "e", 1, FOUR_IN_5MS, now=0.004)
+    assert g.leave(alone, "e") and not g.is_open(alone) and g.next_deadline() is None
+
+
+def test_a_batch_closes_at_its_most_members():
+    pair = Limits(max_samples=4, max_delay_s=0.005, max_members=2)
+    g: Gatherer[str] = Gatherer()
+    batch, closed = g.add("k", "a", 1, pair, now=0.0)
+    assert closed == []
+    assert g.add("k", "b", 1, pair, now=0.001) == (batch, [batch])  # 2 of 4 samples, but 2 members
+    one, closed = g.add("k", "c", 1, Limits(4, 0.005, max_members=1), now=0.002)
+    assert closed == [one]  # nobody else could be waiting: closed at once
+    with pytest.raises(ValueError, match="max_members >= 1"):
+        Limits(4, 0.005, max_members=0)

@@ -19,6 +19,7 @@ from streambox.workflows.examples import load_example, sample_event
 from streambox.workflows.gateway import Gateway, GatewayServer
 from streambox.workflows.invoker import RuntimeStats
 from streambox.workflows.local import LocalInvoker
+from streambox.workflows.metrics import GatewayMetrics
 from streambox.workflows.validation import WorkflowValidationError, parse_spec
 
 HERE = Path(__file__).parent
@@ -171,7 +172,19 @@ def test_invoke_health_workflows_and_metrics(make_invoker, run):
     assert ("streambox_pool_reserved_bytes", (("device", "0"), ("workflow", "fan"))) in m
     assert m[("streambox_function_instances", (("function", "square"), ("workflow", "fan")))] >= 1
     assert m[("streambox_unprofiled_runs", (("workflow", "fan"),))] == 0
+    assert m[("streambox_batches_total", (("workflow", "fan"),))] == 0  # nothing of it batches
     assert m[("streambox_runtime_stats_up", ())] == 1
+
+
+def test_batching_counters_are_scraped_once_per_workflow():
+    """A workflow's batching counters, from its runtime rows (one per device it runs on)."""
+    def rows() -> list[RuntimeStats]:
+        row = RuntimeStats("traffic", 0, 1, 2, 0, 0, batches=7, batched_calls=19)
+        return [row, RuntimeStats("traffic", 1, 1, 2, 0, 0, batches=7, batched_calls=19)]
+
+    m = metrics_of(GatewayMetrics(rows).render()[0].decode())
+    assert m[("streambox_batches_total", (("workflow", "traffic"),))] == 7
+    assert m[("streambox_batched_calls_total", (("workflow", "traffic"),))] == 19
 
 
 def test_metrics_survive_a_failing_stats_callback(make_invoker, run):

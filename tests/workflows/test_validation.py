@@ -117,7 +117,15 @@ def test_batching_fields_default_to_no_batching_and_bad_values_are_named():
     late = head + f"  g: {{{echo}, max_batch_size: 4, max_queue_delay_ms: 600, timeout_ms: 500}}\n"
     assert errors(late) == [
         "demo.yaml:4:58: functions.g.max_queue_delay_ms: 600 ms is not shorter than the invocation's time "
-        "limit (500 ms): a call no other joins would time out waiting for its batch"
+        "limit (500 ms, its timeout_ms): a call no other joins would time out waiting for its batch"
+    ]
+    # A function's own limit longer than the request's: the request's timeout ends the call first.
+    longer = f"name: demo\nslo_ms: 50\ntimeout_ms: 1000\nfunctions:\n  g: {{{echo}, max_batch_size: 4, "
+    longer += "max_queue_delay_ms: 5000, timeout_ms: 20000}\n"
+    assert errors(longer) == [
+        "demo.yaml:5:58: functions.g.max_queue_delay_ms: 5000 ms is not shorter than the invocation's time "
+        "limit (1000 ms, the workflow's timeout_ms): a call no other joins would time out waiting for its "
+        "batch"
     ]
 
 
