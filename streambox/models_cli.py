@@ -166,7 +166,9 @@ def add_models_arguments(models: argparse.ArgumentParser) -> None:
     add = sub.add_parser(
         "add", parents=[common], help="register the next version of NAME from a .pt2 file or a factory"
     )
-    add.add_argument("name", help="model name: lower-case letters, digits, '_' or '-'")
+    add.add_argument(
+        "name", help="model name: lower-case letters, digits, '_' or '-', starting with a letter"
+    )
     source = add.add_mutually_exclusive_group(required=True)
     source.add_argument("--pt2", help="a program saved with torch.export.save")
     source.add_argument("--factory", help="package.module:build returning an nn.Module (or (module, shape))")
@@ -181,13 +183,15 @@ def add_models_arguments(models: argparse.ArgumentParser) -> None:
         "list", parents=[common], help="registered models: source, hash, shapes, memory, time"
     )
     list_.set_defaults(handler=cmd_list)
-    for name, handler, text in (
-        ("show", cmd_show, "everything recorded about MODEL (name or name@version)"),
-        ("remove", cmd_remove, "remove MODEL: name@version, or every version of name"),
-        ("verify", cmd_verify, "re-run MODEL's stored plans against eager torch"),
+    latest = "name (its latest version) or name@version"
+    for name, handler, text, model_help in (
+        ("show", cmd_show, "everything recorded about MODEL (name or name@version)", latest),
+        ("remove", cmd_remove, "remove MODEL: name@version, or every version of name",
+         "name@version, or name: EVERY version of it"),
+        ("verify", cmd_verify, "re-run MODEL's stored plans against eager torch", latest),
     ):
-        action = sub.add_parser(name, parents=[common], help=text)
-        action.add_argument("model", help="name (latest version) or name@version")
+        action = sub.add_parser(name, parents=[common], help=text, description=text)
+        action.add_argument("model", help=model_help)
         action.set_defaults(handler=handler)
         if name == "remove":
             action.add_argument(

@@ -483,8 +483,9 @@ def figure_15(session: Session) -> FigureResult:
         )
     )
     notes = [
-        "left: benchmarks/bench_memory_pool.py --quick (8 functions on one emulated V100, Poisson arrivals), "
-        "its printed tables in bench/bench_memory_pool.txt"
+        f"left: {session.bench_command('bench_memory_pool')} "
+        f"({session.bench_config('bench_memory_pool').get('functions', '?')} functions on one emulated V100, "
+        "Poisson arrivals), its printed tables in bench/bench_memory_pool.txt"
     ]
     if OURS in session.comparison():
         rows.append(
@@ -568,8 +569,8 @@ def figure_16(session: Session) -> FigureResult:
         )
     )
     notes = [
-        "benchmarks/bench_comm.py --quick: a real store and a real Redis on the emulated V100 node; its "
-        "printed tables in bench/bench_comm.txt",
+        f"{session.bench_command('bench_comm')}: a real store and a real Redis on the emulated V100 node; "
+        "its printed tables in bench/bench_comm.txt",
     ]
     proxied = json.loads((root / bench).read_text())["results"].get("proxy_stores")
     if proxied:
@@ -704,8 +705,8 @@ def figure_17(session: Session) -> FigureResult:
     ]
     _plot_ablation(session.bench_results("bench_io_daemon")["c"], root / "fig17" / "loading_ablation.png")
     notes = [
-        "benchmarks/bench_io_daemon.py --quick (time dilated 16x: the emulated link model slowed so that "
-        "the host keeps up; ratios are what it compares), printed tables in bench/bench_io_daemon.txt"
+        f"{session.bench_command('bench_io_daemon')} (time dilated 16x: the emulated link model slowed so "
+        "that the host keeps up; ratios are what it compares), printed tables in bench/bench_io_daemon.txt"
     ]
     return _finish(session, "17", "pipelined loading and the IO daemon's ablation", rows, notes)
 

@@ -326,6 +326,16 @@ class Session:
     def bench_results(self, name: str) -> dict[str, Any]:
         return json.loads(self.benchmark(name).read_text())["results"]
 
+    def bench_command(self, name: str) -> str:
+        """The command line `benchmark(name)` ran (run once), for a table's notes: what was measured."""
+        path = self.benchmark(name)
+        args = (_json_object(path.with_suffix(".args.json")) or {}).get("args", ["--quick"])
+        return " ".join([f"benchmarks/{name}.py", *args])
+
+    def bench_config(self, name: str) -> dict[str, Any]:
+        """The configuration `benchmark(name)` reported in its JSON (its sizes as run)."""
+        return json.loads(self.benchmark(name).read_text()).get("config", {})
+
     def copy_plots(self, names: Sequence[str], into: Path, replay: str = "replay") -> list[Path]:
         """The plots `names` of the report of out/`replay` copied into a figure's folder."""
         into.mkdir(parents=True, exist_ok=True)

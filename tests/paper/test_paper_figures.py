@@ -159,6 +159,10 @@ def test_a_benchmark_figure_quick_writes_its_plots_and_a_measured_table(tmp_path
     assert main(["paper", figure, "--quick", "--out", str(out)]) == 0
     assert not (out / "replay").exists()  # a benchmark figure runs no replay
     _check_figures(out, [figure])
+    named = {"16": "bench_comm", "17": "bench_io_daemon"}.get(figure)
+    if named is not None:  # the note names the command as it ran (--quick and the CI-sized cuts)
+        args = json.loads((out / "bench" / f"{named}.args.json").read_text())["args"]
+        assert " ".join([f"benchmarks/{named}.py", *args]) in (out / f"fig{figure}" / "table.md").read_text()
     if figure == "16":  # stream-only's own data path (the CUDA-IPC store) beside StreamBox's store
         rows = json.loads((out / "fig16" / "table.json").read_text())["rows"]
         against = [r for r in rows if "stream-only's CUDA-IPC store" in r["metric"]]
