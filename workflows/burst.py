@@ -174,6 +174,8 @@ class Memory:
     pool_reserved_bytes: int = 0
     pool_used_bytes: int = 0
     instances: dict[str, int] = field(default_factory=dict)
+    batches: int = 0  # batched inferences since the deploy (docs/workflows.md, "Batching")
+    batched_calls: int = 0  # the calls they served
 
     @classmethod
     def of(cls, rows: Sequence[RuntimeStats], workflow: str) -> Memory:
@@ -186,6 +188,8 @@ class Memory:
                 memory.pool_used_bytes += row.pool_used_bytes
                 for function, count in row.instances.items():
                     memory.instances[function] = memory.instances.get(function, 0) + count
+                memory.batches = max(memory.batches, row.batches)  # per workflow, on each of its rows
+                memory.batched_calls = max(memory.batched_calls, row.batched_calls)
         memory.device_used_bytes = sum(u for u, _ in devices.values())
         memory.device_total_bytes = sum(t for _, t in devices.values())
         return memory
@@ -212,6 +216,10 @@ class Memory:
                 elif sample.name == "streambox_function_instances":
                     function = labels["function"]
                     memory.instances[function] = memory.instances.get(function, 0) + value
+                elif sample.name == "streambox_batches_total":
+                    memory.batches = value
+                elif sample.name == "streambox_batched_calls_total":
+                    memory.batched_calls = value
         return memory
 
     def peak(self, other: Memory) -> Memory:
@@ -224,6 +232,8 @@ class Memory:
                 f: max(self.instances.get(f, 0), other.instances.get(f, 0))
                 for f in {*self.instances, *other.instances}
             },
+            max(self.batches, other.batches),
+            max(self.batched_calls, other.batched_calls),
         )
 
 
@@ -615,6 +625,7 @@ def _summary_rows(report: BurstReport) -> list[tuple[str, str]]:
             f"{_mib(report.memory.pool_reserved_bytes)} / {_mib(report.memory.pool_used_bytes)}",
         ),
         ("pool reserved, peak", _mib(report.peak_memory.pool_reserved_bytes)),
+        ("batched inferences / calls in them", f"{report.memory.batches} / {report.memory.batched_calls}"),
     ]
     if report.warmup:
         rows.insert(1, ("warm-up requests (not counted)", str(report.warmup)))

@@ -61,6 +61,7 @@ def test_cli_burst_through_the_gateway_reports_latency_cold_starts_and_memory(ti
     assert main([*argv, "--params", "n=4", "--pa", "off", "--bt", "off", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "requests ok / failed" in printed and "3 / 0" in printed and "pool reserved" in printed
+    assert "batched inferences / calls in them" in printed and "0 / 0" in printed  # nothing here batches
 
     report = json.loads(out.read_text())
     assert report["via"] == "gateway" and report["requests"] == 3 and report["ok"] == 3
@@ -170,12 +171,18 @@ def test_memory_from_the_gateway_metrics_text():
         streambox_pool_used_bytes{workflow="tiny",device="0"} 200
         streambox_pool_reserved_bytes{workflow="other",device="0"} 999
         streambox_function_instances{workflow="tiny",function="make"} 2
+        # TYPE streambox_batches counter
+        streambox_batches_total{workflow="tiny"} 3
+        streambox_batches_total{workflow="other"} 9
+        # TYPE streambox_batched_calls counter
+        streambox_batched_calls_total{workflow="tiny"} 7
         """
     )
     memory = Memory.from_metrics(text, "tiny")
     assert (memory.device_used_bytes, memory.device_total_bytes) == (1000, 5000)
     assert (memory.pool_reserved_bytes, memory.pool_used_bytes) == (300, 200)
     assert memory.instances == {"make": 2}
+    assert (memory.batches, memory.batched_calls) == (3, 7)
 
 
 def test_a_stream_only_burst_passes_data_through_the_ipc_store(tiny):
