@@ -167,10 +167,11 @@ def group_by_file(node_ids: Sequence[str]) -> dict[str, list[str]]:
     return files
 
 
-def run_gpu_tests(timeout_s: float = 300) -> dict[str, Any]:
-    """The `gpu`-marked tests, one pytest process per file (see the module doc); rc 0 when all pass."""
+def run_gpu_tests(timeout_s: float = 300, paths: Sequence[str] = ()) -> dict[str, Any]:
+    """The `gpu`-marked tests (of `paths`, default the whole suite), one pytest process per file (see the
+    module doc); rc 0 when all pass."""
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu"]
-    listing = subprocess.run([*pytest, "--co"], capture_output=True, text=True, check=False)
+    listing = subprocess.run([*pytest, "--co", *paths], capture_output=True, text=True, check=False)
     nodes = [line for line in listing.stdout.splitlines() if "::" in line]
     started, files = time.monotonic(), {}
     for path in group_by_file(nodes):

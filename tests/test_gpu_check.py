@@ -33,8 +33,13 @@ def test_gpu_test_node_ids_are_grouped_by_file_in_order() -> None:
 
 def test_the_gpu_tests_run_one_process_per_file(capsys) -> None:
     """On a GPU a kernel fault poisons its process's context (the first H200 run: one test's fault made
-    12 later ones error), so each file runs alone; without a GPU every file passes by skipping."""
-    result = gpu_check.run_gpu_tests(timeout_s=240)
+    12 later ones error), so each file runs alone; without a GPU every file passes by skipping. Two
+    files of gpu tests and one without any (collecting the whole suite costs half a minute here; `make
+    gpu-check` does)."""
+    files = ["tests/device/test_cuda_backend.py", "tests/api_proxy/test_executor.py"]
+    files.append("tests/test_gpu_check.py")
+    result = gpu_check.run_gpu_tests(timeout_s=240, paths=files)
+    assert "tests/test_gpu_check.py" not in result["files"]  # no gpu test in it: not run
     assert "tests/device/test_cuda_backend.py" in result["files"]
     assert "tests/api_proxy/test_executor.py" in result["files"]
     backend, _ = gpu_check._open_gpu()
