@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
 
-from streambox.config import Config, SettingsModel, option_name
+from streambox.config import Config, SettingsModel, ineffective_settings, option_name
 from streambox.device.modes import device_mode_env
 from streambox.gc_pauses import frozen_heap
 from streambox.settings_base import ENV_PREFIX
@@ -511,7 +511,9 @@ async def _record(
     """Run the replay into `run_dir`: config.json before the first request, the rest at its end."""
     system_config = target.describe()
     label = run_label(config, system_config)
-    for line in environment_ignored(system_config.get("settings") or {}, config.system_options, os.environ):
+    settings = system_config.get("settings") or {}
+    ignored = environment_ignored(settings, config.system_options, os.environ)
+    for line in [*ignored, *ineffective_settings(settings)]:
         print(f"note: {line}", file=sys.stderr, flush=True)
     described = {
         "config": config.model_dump(mode="json"),

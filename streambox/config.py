@@ -491,6 +491,19 @@ def settings_environment(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def ineffective_settings(settings: Mapping[str, Any]) -> list[str]:
+    """A line for each switch a run's resolved tree (`Mechanisms.resolved`, `device`) sets that changes
+    nothing in that run, so that an ablation measuring nothing says so where it runs (the proxy's log,
+    the replay's stderr)."""
+    gpus = (settings.get("device") or {}).get("gpus")
+    if settings.get("am") is False and gpus == 1:
+        return [
+            "am=off changes nothing on one GPU: AM moves data to another GPU of the node before host "
+            "memory, and there is none here (gpus 1); this run is the same as am=on (try --gpus 4)"
+        ]
+    return []
+
+
 def system_default(environ: Mapping[str, str] | None = None) -> str:
     """The `--system` a command runs when not given one: `STREAMBOX_SYSTEM` (any case), else streambox."""
     environ = os.environ if environ is None else environ

@@ -228,3 +228,19 @@ def test_given_options_are_labelled_as_they_resolved() -> None:
     described = resolve_system("streambox", request).describe()
     label = "streambox[device_mode=functional,keep_alive_s=60,pa=off]"
     assert run_label(config, described, environ={}) == label
+
+
+def test_an_ablation_that_changes_nothing_in_its_run_says_so() -> None:
+    """AM chooses among the node's GPUs: `am=off` on one GPU runs exactly as `am=on`, so the run (the
+    replay's stderr, the proxy's) says so instead of letting a table set it beside AM as an ablation."""
+    from streambox.config import ineffective_settings
+    from streambox.replay.target import SystemRequest, resolve_system
+
+    def settings(**options: str) -> dict:
+        request = SystemRequest("streambox", ("traffic",), options=options)
+        return resolve_system("streambox", request).describe()["settings"]
+
+    (note,) = ineffective_settings(settings(am="off"))
+    assert note.startswith("am=off changes nothing on one GPU") and "--gpus" in note
+    assert ineffective_settings(settings(am="off", gpus="4")) == []
+    assert ineffective_settings(settings()) == []
