@@ -16,12 +16,16 @@ Routes:
 
 Safety: an event nested deeper than `MAX_JSON_DEPTH` is refused with 400 (not a 500 from the
 parser's recursion); at most `max_in_flight` invocations are admitted at once, holding at most
-`max_body_bytes_in_flight` bytes of bodies (a body counts at its Content-Length; a chunked one, which
-declares none, at `max_body_bytes`), and one past either limit is answered 503 with ``Retry-After``
-before its body is read (Triton's full queue answers UNAVAILABLE the same way); with a `token`,
-every route but ``/healthz`` wants ``Authorization: Bearer <token>`` (401 otherwise);
+`max_body_bytes_in_flight` bytes of bodies (a body counts at its Content-Length; a chunked or
+compressed one, whose size is not known before it is read, at `max_body_bytes`), and one past either
+limit is answered 503 with ``Retry-After`` before its body is read (Triton's full queue answers
+UNAVAILABLE the same way); a declared body past `max_body_bytes` is answered 413 before it is read;
+a body that has not arrived `body_timeout_s` after admission is answered 408 (a client that stops
+sending would otherwise hold its admission for ever); a client that goes away cancels its request
+(`GatewayServer`: the run ends as a timeout would, its slot is free at once); with a `token`, every
+route but ``/healthz`` wants exactly one ``Authorization: Bearer <token>`` header (401 otherwise);
 `GatewayServer` binds beyond the loopback interface only with `allow_remote=True`, and warns when
-it does (louder without a token).
+it does (louder without a token). Errors are JSON, each with its own status.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
+from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
+from aiohttp.web_protocol import RequestPayloadError
 
 from streambox.sdk import InvalidInput
 
@@ -51,6 +57,8 @@ DEFAULT_MAX_IN_FLIGHT = 1024
 #: Bodies held at once: four of the largest; a decoded event takes a few times its body.
 DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 4 * DEFAULT_MAX_BODY_BYTES
 RETRY_AFTER_S = 1  # what a refused caller is told to wait
+#: Seconds an admitted body has to arrive in full: minutes of slack for a large image on a slow link.
+DEFAULT_BODY_TIMEOUT_S = 60.0
 OPEN_ROUTES = frozenset({"/healthz"})  # answered without the bearer token
 _HTTP_STATUS = {"ok": 200, "error": 500, "timeout": 504}
 
@@ -83,9 +91,10 @@ class Gateway:
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
         token: str | None = None,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ) -> None:
-        """`token`: when set, callers must send it as a bearer token; `max_in_flight` and
-        `max_body_bytes_in_flight`: the admission limits (see the module docstring)."""
+        """`token`: when set, callers must send it as a bearer token; `max_in_flight`,
+        `max_body_bytes_in_flight` and `body_timeout_s`: the admission limits (module docstring)."""
         if token is not None and len(token) < 16:
             raise ValueError("a gateway token needs at least 16 characters")
         for name, value in (
@@ -95,6 +104,9 @@ class Gateway:
         ):
             if type(value) is not int or value < 1:
                 raise ValueError(f"gateway {name} must be a positive integer, got {value!r}")
+        if not body_timeout_s > 0:
+            raise ValueError(f"gateway body_timeout_s must be a positive number, got {body_timeout_s!r}")
+        self.body_timeout_s = float(body_timeout_s)
         self.engine = engine
         self.metrics = GatewayMetrics(stats)
         self.max_body_bytes = max_body_bytes
@@ -110,10 +122,17 @@ class Gateway:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         if self.token is not None and request.path not in OPEN_ROUTES:
-            sent = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
+            sent = request.headers.getall("Authorization", [])
+            # Bytes as they came (a header that is not UTF-8 is a wrong token, not a server error);
+            # two headers are refused, as a proxy in front might have checked the other one.
+            given = sent[0].encode("utf-8", "surrogateescape") if len(sent) == 1 else b""
+            if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
+                why = (
+                    "more than one Authorization header" if len(sent) > 1
+                    else "missing or wrong bearer token"
+                )
                 return web.json_response(
-                    {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"},
+                    {"error": f"{why} (Authorization: Bearer <token>)"},
                     status=401,
                     headers={"WWW-Authenticate": "Bearer"},
                 )
@@ -137,19 +156,27 @@ class Gateway:
         if spec is None:
             return _error(404, f"unknown workflow {name!r}", workflows=sorted(self.engine.specs))
         declared = request.content_length  # None: no body, or a chunked one (up to the body bound)
-        if declared is None:
+        if declared is not None and declared > self.max_body_bytes:
+            refusal = _error(413, f"the body declares {declared:,} bytes, more than {self.max_body_bytes:,}")
+            refusal.force_close()  # its body, unread, is not the next request
+            return refusal
+        compressed = request.headers.get("Content-Encoding", "identity").strip().lower() != "identity"
+        if declared is None or compressed:  # what it holds once read is known only then
             reserved = self.max_body_bytes if request.body_exists else 0
         else:
-            reserved = min(declared, self.max_body_bytes)
+            reserved = declared
         refusal = self._refusal(reserved)
         if refusal is not None:
             self.metrics.refused.labels(name).inc()
             return _error(503, refusal, headers={"Retry-After": str(RETRY_AFTER_S)})
         self._admitted += 1
         self._admitted_bytes += reserved
+        in_flight = self.metrics.in_flight.labels(name)  # admitted: reading, parsing or running
+        in_flight.inc()
         try:
             return await self._invoke_admitted(request, name, spec)
         finally:
+            in_flight.dec()
             self._admitted -= 1
             self._admitted_bytes -= reserved
 
@@ -168,8 +195,27 @@ class Gateway:
             )
         return None
 
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The whole body, or the error response that says why not (a JSON one, as every other; the
+        connection then closes, as what is left of the body on it is unknown)."""
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            refusal = _error(408, f"the body did not arrive within {self.body_timeout_s:g} s")
+        except HTTPRequestEntityTooLarge:  # a chunked or compressed body that grew past the bound
+            refusal = _error(413, f"the body holds more than {self.max_body_bytes:,} bytes")
+        except (RequestPayloadError, ClientPayloadError) as error:  # e.g. a corrupt gzip body
+            refusal = _error(400, f"the body could not be read: {error}")
+        except ConnectionError:  # the client went away: nobody reads the answer (no traceback)
+            refusal = _error(400, "the client closed the connection while sending its body")
+        refusal.force_close()
+        return refusal
+
     async def _invoke_admitted(self, request: web.Request, name: str, spec: WorkflowSpec) -> web.Response:
-        body = await request.read()
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
         try:  # a JSON event, a JPEG/PNG body or a multipart upload (workflows/image_input.py)
             # Parsed and decoded off the event loop: a large body must not stall other requests.
             event = await asyncio.to_thread(event_from_body, request.headers.get("Content-Type", ""), body)
@@ -186,12 +232,7 @@ class Gateway:
                     400, f"timeout_ms must be a positive number, got {request.query['timeout_ms']!r}"
                 )
             timeout_s = min(timeout_s, asked / 1e3)
-        in_flight = self.metrics.in_flight.labels(name)
-        in_flight.inc()
-        try:
-            result = await self.engine.run(name, event, timeout_s=timeout_s)
-        finally:
-            in_flight.dec()
+        result = await self.engine.run(name, event, timeout_s=timeout_s)
         self.metrics.observe(result)
         if not result.ok:
             log.warning("workflow %s request %s: %s", name, result.request_id, result.error)
@@ -260,7 +301,9 @@ class GatewayServer:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.gateway.app(), access_log=None)
+        # A client that goes away cancels its request's handler: the engine ends the run as a timeout
+        # would (its invocations and keys dropped), and its admission is free at once.
+        self._runner = web.AppRunner(self.gateway.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

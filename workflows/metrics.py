@@ -5,7 +5,7 @@ Request side, updated once per request from its `RequestResult`:
 - ``streambox_requests_total{workflow,status}``: status ok | error | timeout;
 - ``streambox_request_latency_seconds{workflow}``: histogram of end-to-end latency;
 - ``streambox_slo_violations_total{workflow}``: requests that failed or ran past the SLO;
-- ``streambox_requests_in_flight{workflow}``;
+- ``streambox_requests_in_flight{workflow}``: admitted (their bodies being read or parsed, or running);
 - ``streambox_requests_refused_total{workflow}``: answered 503 at the gateway's admission limits;
 - ``streambox_function_invocations_total{workflow,function,status}``;
 - ``streambox_function_latency_seconds{workflow,function}``: histogram, as the invoker measured it;
@@ -126,7 +126,10 @@ class GatewayMetrics:
         self.slo_violations = Counter(
             "streambox_slo_violations", "Requests that failed or missed the SLO", ["workflow"], registry=r
         )
-        self.in_flight = Gauge("streambox_requests_in_flight", "Requests running", ["workflow"], registry=r)
+        self.in_flight = Gauge(
+            "streambox_requests_in_flight", "Requests admitted (reading, parsing or running)", ["workflow"],
+            registry=r,
+        )
         self.refused = Counter(
             "streambox_requests_refused",
             "Invocations answered 503 at the gateway's admission limits",

@@ -225,3 +225,110 @@ def test_serve_sets_the_gateway_limits_from_its_flags(local_invoker):
         return first, second
 
     assert asyncio.run(go()) == (200, 503)
+
+
+async def _raw(url: str, head: bytes, body: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the gateway that sent `head` (request line and headers) and `body` so far."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head + b"\r\n" + body)
+    await writer.drain()
+    return reader, writer
+
+
+def test_a_stalled_body_gets_408_and_its_admission_back(local_invoker):
+    """A client that stops sending its body held its admission for ever (a few of them refused every
+    other caller): it is answered 408 once `body_timeout_s` has passed, and the slot is free again."""
+
+    async def scenario(session, url):
+        head = b"POST /workflows/echo/invoke HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+        reader, writer = await _raw(url, head, b"{")
+        await asyncio.sleep(0.1)
+        async with session.post(f"{url}/workflows/echo/invoke", json={"value": 1}) as r:
+            meanwhile = r.status  # the stalled one holds the only slot
+        answer = await asyncio.wait_for(reader.read(4096), timeout=10)
+        writer.close()
+        async with session.post(f"{url}/workflows/echo/invoke", json={"value": 2}) as r:
+            after = r.status, await r.json()
+        return meanwhile, answer, after
+
+    meanwhile, answer, (status, body) = _serve(local_invoker, scenario, max_in_flight=1, body_timeout_s=0.5)
+    assert meanwhile == 503
+    assert answer.startswith(b"HTTP/1.1 408") and b"the body did not arrive within 0.5 s" in answer
+    assert status == 200 and body["output"] == {"echo": 2}
+
+
+def test_bodies_past_the_bound_corrupt_or_compressed_get_their_own_json_errors(local_invoker):
+    """Each its status and a JSON error (a corrupt gzip body was a 500, a body past the bound was read
+    whole, then answered in plain text); a compressed body reserves the whole bound, as what it holds
+    is known only once read (a gzip body of 60 KB held 60 MiB, counted as 60 KB)."""
+    import gzip
+
+    async def scenario(session, url):
+        invoke = f"{url}/workflows/nap/invoke"
+        out = {}
+        head = b"POST /workflows/nap/invoke HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n"
+        reader, writer = await _raw(url, head)  # answered before a byte of the body is sent
+        out["declared"] = (await asyncio.wait_for(reader.read(4096), timeout=10)).split(b"\r\n")
+        writer.close()
+        corrupt = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        async with session.post(invoke, data=b"{}", headers=corrupt) as r:
+            out["corrupt"] = r.status, await r.json()
+        napper = asyncio.create_task(session.post(invoke, json={"seconds": 1.0}))
+        await asyncio.sleep(0.3)
+        packed = gzip.compress(b'{"value": 3}')
+        head = b"POST /workflows/nap/invoke HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+        reader, writer = await _raw(url, head + b"Content-Length: %d\r\n" % len(packed), packed)
+        out["compressed beside another"] = (await asyncio.wait_for(reader.read(4096), 10)).split(b"\r\n")[0]
+        writer.close()
+        (await napper).close()
+        async with session.post(invoke, data=gzip.compress(b'{"value": 3}'), headers=corrupt) as r:
+            out["compressed alone"] = r.status, (await r.json())["output"]
+        return out
+
+    out = _serve(local_invoker, scenario, spec=NAP, max_body_bytes=1000, max_body_bytes_in_flight=1000)
+    assert out["declared"][0] == b"HTTP/1.1 413 Request Entity Too Large"
+    assert out["declared"][-1] == b'{"error": "the body declares 2,000 bytes, more than 1,000"}'
+    status, body = out["corrupt"]
+    assert status == 400 and body["error"].startswith("the body could not be read")
+    assert out["compressed beside another"] == b"HTTP/1.1 503 Service Unavailable"
+    assert out["compressed alone"] == (200, {"echo": 3})
+
+
+def test_a_client_that_goes_away_frees_its_admission_at_once(local_invoker):
+    """Its request is cancelled (as a timeout ends one): a client could send and drop requests to hold
+    the gateway's admission for the whole run of each."""
+
+    async def scenario(session, url):
+        body = b'{"seconds": 3.0, "value": 0}'
+        head = b"POST /workflows/nap/invoke HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        _, writer = await _raw(url, head + b"Content-Length: %d\r\n" % len(body), body)
+        await asyncio.sleep(0.5)  # admitted and asleep
+        writer.close()
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        async with session.post(f"{url}/workflows/nap/invoke", json={"value": 1}) as r:
+            status = r.status
+        async with session.get(f"{url}/metrics") as r:
+            metrics = await r.text()
+        return status, time.monotonic() - started, metrics
+
+    status, took, metrics = _serve(local_invoker, scenario, spec=NAP, max_in_flight=1)
+    assert status == 200 and took < 2.0
+    assert 'streambox_requests_in_flight{workflow="nap"} 0.0' in metrics
+
+
+def test_a_token_header_twice_or_in_odd_bytes_is_a_401(local_invoker):
+    async def scenario(session, url):
+        out = []
+        for auth in (
+            f"Authorization: Bearer {TOKEN}\r\nAuthorization: Bearer {TOKEN}x\r\n".encode(),
+            f"Authorization: Bearer nope\r\nAuthorization: Bearer {TOKEN}\r\n".encode(),
+            b"Authorization: Bearer \xff\xfe\r\n",  # was a 500
+        ):
+            reader, writer = await _raw(url, b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + auth)
+            out.append((await reader.read(4096)).split(b"\r\n", 1)[0])
+            writer.close()
+        return out
+
+    assert _serve(local_invoker, scenario, token=TOKEN) == [b"HTTP/1.1 401 Unauthorized"] * 3

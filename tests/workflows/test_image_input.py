@@ -19,6 +19,7 @@ from streambox.workflows.examples import load_example
 from streambox.workflows.examples.imaging import encode_image, synthetic_image
 from streambox.workflows.gateway import Gateway, GatewayServer
 from streambox.workflows.image_input import (
+    MAX_MULTIPART_PARTS,
     BodyError,
     decode_image_field,
     event_from_body,
@@ -109,6 +110,23 @@ def test_request_bodies_become_events():
         "photo": base64.b64encode(png).decode(),
         "caption": "a cat",
     }
+    # Parsing costs seconds per MiB of tiny parts: their number is bounded before the parser runs.
+    many = aiohttp.FormData(default_to_multipart=True)
+    for i in range(MAX_MULTIPART_PARTS + 1):
+        many.add_field(f"f{i}", "x")
+    payload = many()
+    too_many = f"has {MAX_MULTIPART_PARTS + 1} parts, more than {MAX_MULTIPART_PARTS}"
+    with pytest.raises(BodyError, match=too_many):
+        event_from_body(payload.content_type, b"".join(_chunks(payload)))
+
+
+def test_a_lone_surrogate_is_a_400_and_a_pair_is_text():
+    """JSON's \\u escapes can name half of a UTF-16 pair, which no UTF-8 text (the functions' events)
+    holds: it used to fail the first function, as a 500."""
+    assert event_from_body("application/json", b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001F600"}
+    for body in (b'{"a": "\\ud800"}', b'{"\\udfff": 1}', b'{"a": ["x\\uDBFF"]}'):
+        with pytest.raises(BodyError, match="lone UTF-16 surrogate"):
+            event_from_body("application/json", body)
 
 
 def _chunks(payload) -> list[bytes]:
