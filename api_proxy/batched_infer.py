@@ -18,12 +18,13 @@ then runs it on its own stream:
 
 A batch that closes with its leader alone is not a batch: the leader's `infer` runs its own plan as
 if unbatched (no gathering copies; it only waited). Other members (followers) never run anything. A
-member whose invocation ended before the batch ran is left out (out of the open batch at once: its
-samples no longer fill it). A leader whose call is dropped before
-its followers got their rows (its request timed out or failed, its instance died) hands the batch on:
-the first follower still alive leads it (waits for it to close, or runs it at once), so one request
-never fails another's call. A batch whose run fails (the plan, the memory) fails its followers' calls
-with that error.
+follower whose invocation ended before the batch ran is left out (of an open batch when the next
+caller joins: its samples no longer fill it), and its call, parked on its `result`, is resumed so that
+the dispatcher closes it (`release`). A leader whose call is dropped before its followers got their
+rows (its request timed out or failed, its instance died) hands the batch on when its wait ends: the
+first follower still alive leads it (waits for it to close, or runs it at once), so one request never
+fails another's call; until then its samples count. A batch whose run fails (the plan, the memory)
+fails its followers' calls with that error.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class Batching:
         self.sizes: deque[int] = deque(maxlen=RECENT_SIZES)  # samples of each recent batch run
         self.alone = 0  # batches that closed with no call but their first: run as plain infers
         self.handed_on = 0  # batches whose leader was dropped and a follower led instead
+        self.left = 0  # followers that ended while their batch was open, and left it
 
     def counters(self) -> dict[str, Any]:
         """Batches run, the calls they served, how many samples each held (recent ones), and the calls
@@ -133,6 +135,7 @@ class Batching:
             "sizes": list(self.sizes),
             "alone": self.alone,
             "handed_on": self.handed_on,
+            "left": self.left,
         }
 
     def join(self, model: str, member: Member, limits: Limits, now: float) -> Batch[Member]:
@@ -142,7 +145,7 @@ class Batching:
         kind = (member.call.inst.spec.name, model, signature)
         waiting = self.gatherer.open_batch(kind)
         for ended in [m for m in waiting.members[1:] if not m.alive] if waiting is not None else []:
-            self.gatherer.leave(waiting, ended)
+            self.leave(waiting, ended)
             release(ended)
         batch, closed = self.gatherer.add(kind, member, member.samples, limits, now)
         for done in closed:
@@ -169,7 +172,7 @@ class Batching:
     def leave(self, batch: Batch[Member], gone: Member) -> None:
         """A follower `gone` was dropped while it waited: out of its batch if still open, so its
         samples no longer fill it (a closed batch's run leaves out the members that ended)."""
-        self.gatherer.leave(batch, gone)
+        self.left += self.gatherer.leave(batch, gone)
 
     def hand_on(self, batch: Batch[Member], gone: Member) -> None:
         """The leader `gone` was dropped before its followers got their rows: the first follower still
@@ -237,6 +240,8 @@ def _lead(
         yield Offload(member.closed, f"gathering a batch for {model!r}", QUEUE)  # waiting for peers
         if not any(m.alive for m in batch.members[1:]):
             res.batching.alone += 1
+            for ended in batch.members[1:]:  # followers that ended while it waited: resumed, to close
+                release(ended)
             return None
         return (yield from _run_batch(res, call, model, batch, run_plan))
     except GeneratorExit:  # this call was dropped (its instance died or its request ended)
@@ -285,10 +290,24 @@ def _run_batch(
     res.batching.batches_run += 1
     res.batching.members_batched += len(members)
     res.batching.sizes.append(total)
+    return _hand_out(res, call, batch, members, per_member, done)
+
+
+def _hand_out(
+    res: Resources,
+    call: CallContext,
+    batch: Batch[Member],
+    members: list[Member],
+    per_member: list[list[DeviceTensor]],
+    done: Event,
+) -> list[Handle]:
+    """Each member's rows registered to its own invocation (the followers' through their `result`);
+    the leader's returned. Rows past a member's quota, or of a member that ended, are freed."""
     refused: QuotaExceeded | None = None
     for m, tensors in zip(members, per_member, strict=True):
         if m is not batch.leader and not m.alive:  # ended while the batch ran: nobody to own its rows
             res.memory.pool.free_many([t.address for t in tensors], call.inst.stream)
+            release(m)
             continue
         try:  # its rows count against its own invocation's quota, as its own inference's would
             res.check_quota(m.call.inst.spec.name, m.call.inv, sum(t.nbytes for t in tensors))

@@ -30,7 +30,7 @@ import json
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +174,7 @@ class Memory:
     pool_reserved_bytes: int = 0
     pool_used_bytes: int = 0
     instances: dict[str, int] = field(default_factory=dict)
-    batches: int = 0  # batched inferences since the deploy (docs/workflows.md, "Batching")
+    batches: int = 0  # batched inferences (docs/workflows.md, "Batching"): in a report, the burst's
     batched_calls: int = 0  # the calls they served
 
     @classmethod
@@ -468,6 +468,7 @@ class Deployment:
             raise ValueError(f"need more events ({len(events)}) than warm-up requests ({warmup})")
         for event in events[:warmup]:
             await self.send(event)
+        before = await self.memory()  # the batching counters so far (warm-up, earlier bursts)
         gate = asyncio.Semaphore(concurrency)
 
         async def gated(event: dict[str, Any]) -> Outcome:
@@ -482,7 +483,7 @@ class Deployment:
             wall_s = time.perf_counter() - started
         finally:
             sampler.cancel()
-        memory = await self.memory()
+        memory = _batching_since(await self.memory(), before)
         last = self.invoker.last_stats().get(self.spec.name, {})
         starts, self._proxy_starts_reported = (
             self.invoker.proxy_starts - self._proxy_starts_reported,
@@ -506,6 +507,15 @@ class Deployment:
             gpu=last.get("device", {}).get("index"),
             store=dict(last.get("store", {})),
         )
+
+
+def _batching_since(now: Memory, before: Memory) -> Memory:
+    """`now` with its batching counters counted from `before` (a proxy that restarted meanwhile counts
+    from zero: its counters went down)."""
+    if now.batches < before.batches or now.batched_calls < before.batched_calls:
+        return now
+    calls = now.batched_calls - before.batched_calls
+    return replace(now, batches=now.batches - before.batches, batched_calls=calls)
 
 
 async def burst_async(

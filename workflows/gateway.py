@@ -216,11 +216,18 @@ class Gateway:
         body = await self._read_body(request)
         if isinstance(body, web.Response):
             return body
-        try:  # a JSON event, a JPEG/PNG body or a multipart upload (workflows/image_input.py)
-            # Parsed and decoded off the event loop: a large body must not stall other requests.
-            event = await asyncio.to_thread(event_from_body, request.headers.get("Content-Type", ""), body)
+        # A JSON event, a JPEG/PNG body or a multipart upload (workflows/image_input.py), parsed off
+        # the event loop: a large body must not stall other requests.
+        parse = asyncio.ensure_future(
+            asyncio.to_thread(event_from_body, request.headers.get("Content-Type", ""), body)
+        )
+        try:
+            event = await asyncio.shield(parse)
         except BodyError as error:
             return _error(400, str(error))
+        except asyncio.CancelledError:  # the client went away: its admission holds until the parse ends
+            await asyncio.wait({parse})
+            raise
         timeout_s = spec.timeout_ms / 1e3
         if "timeout_ms" in request.query:
             try:

@@ -147,8 +147,12 @@ def load_event_json(data: bytes, what: str) -> dict[str, Any]:
             "arrays as an image or a base64 .npy"
         )
     try:
-        event = json.loads(data, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_int64)
-    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError, and the number limits below
+        text = data.decode("utf-8-sig")  # JSON travels as UTF-8 (RFC 8259), which holds no lone surrogate
+    except UnicodeDecodeError as error:
+        raise BodyError(f"{what} is not UTF-8 text: {error}") from None
+    try:
+        event = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_int64)
+    except ValueError as error:  # JSONDecodeError, and the number limits below
         raise BodyError(
             f"{what} is not JSON: {error} (send a JSON event, an image/jpeg or image/png body, "
             "or multipart/form-data)"
@@ -189,12 +193,11 @@ MAX_MULTIPART_PARTS = 64
 
 def _multipart_event(content_type: str, body: bytes) -> dict[str, Any]:
     head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
-    declared = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head)
-    boundary = declared.get_param("boundary")
-    if isinstance(boundary, str) and boundary:
-        parts = body.count(b"--" + boundary.encode("utf-8", "surrogateescape")) - 1  # the last closes
-        if parts > MAX_MULTIPART_PARTS:
-            raise BodyError(f"the multipart body has {parts} parts, more than {MAX_MULTIPART_PARTS}")
+    # Every delimiter line, of the parts nested in parts too (the parser reads those alike); the last
+    # of each multipart closes it.
+    delimiters = body.count(b"\n--") + body.startswith(b"--")
+    if delimiters - 1 > MAX_MULTIPART_PARTS:
+        raise BodyError(f"the multipart body has {delimiters - 1} parts, more than {MAX_MULTIPART_PARTS}")
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
     if not message.is_multipart():
         raise BodyError("the multipart/form-data body has no parts (is the boundary right?)")

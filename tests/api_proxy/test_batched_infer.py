@@ -45,6 +45,7 @@ HANDLERS = textwrap.dedent(
 
 QUOTA = 64 << 20  # each invocation's device bytes
 GROUP_DELAY_S = 2.0  # generous on a loaded machine: a full batch closes before it anyway
+SLOW_DELAY_S = 6.0  # room for a follower to join, time out, and another to join after it
 LONG_DELAY_S = 10.0  # the most a batch may wait: one that waited for it shows in the call's time
 FUNCTIONS = (
     ProxyFunction("alone", "batch_handlers:classify", models=("resnet18",)),
@@ -58,7 +59,7 @@ FUNCTIONS = (
     ),
     ProxyFunction(  # a long delay: a call may end while its batch is open
         "slow", "batch_handlers:classify", models=("resnet18",), max_instances=4,
-        max_batch_size=4, max_queue_delay_ms=3000.0,
+        max_batch_size=4, max_queue_delay_ms=SLOW_DELAY_S * 1e3,
     ),
     ProxyFunction(  # its 2 instances both waiting in a batch: nobody else can join, it closes at once
         "pair", "batch_handlers:classify", models=("resnet18",), max_instances=2,
@@ -143,11 +144,11 @@ def test_a_call_that_ends_while_its_batch_is_open_is_left_out(proxy, zoo_model, 
     # 51 (1 row) leads; 53 (2 rows) joins, and its request times out while the batch is open; 52 (2
     # rows) joins after that: 1 + 2 fit in the batch of 4 only if 53's rows left it.
     events = [{"seed": s, "room": str(room), "group": 3, "n": n} for s, n in ((51, 1), (52, 2), (53, 2))]
-    events[1]["late_s"], events[2]["late_s"] = 1.8, 0.3
+    events[1]["late_s"], events[2]["late_s"] = 4.0, 0.3  # 53 ends 3 s after it was sent: before 52
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [
             pool.submit(ProxyClient(proxy.address).invoke, "slow", e, f"r{e['seed']}", timeout_s=t)
-            for e, t in zip(events, (None, None, 1.5), strict=True)
+            for e, t in zip(events, (None, None, 3.0), strict=True)
         ]
         with pytest.raises(FunctionTimeout):
             futures[2].result()
@@ -158,6 +159,7 @@ def test_a_call_that_ends_while_its_batch_is_open_is_left_out(proxy, zoo_model, 
     assert after["batching"]["batches"] == before["batches"] + 1  # 51 and 52 together, not each alone
     assert after["batching"]["sizes"][-1] == 3  # the ended call's rows were not gathered
     assert after["batching"]["alone"] == before["alone"]
+    assert after["batching"]["left"] == before["left"] + 1  # 53 joined, then left
     for seed, rows, out in zip((51, 52), (1, 2), outputs, strict=True):
         assert out["shape"] == [rows, 1000]
         assert torch.allclose(torch.tensor(out["logits"]), _eager(zoo_model, seed, rows), atol=1e-4)
@@ -272,7 +274,7 @@ def test_followers_that_ended_leave_the_open_batch_and_their_parked_calls_are_re
     its result, is resumed (the dispatcher then closes it, releasing what it holds)."""
     from types import SimpleNamespace
 
-    from streambox.api_proxy.batched_infer import Batching, Member
+    from streambox.api_proxy.batched_infer import Batching, Member, _lead
     from streambox.api_proxy.batcher import Limits
     from streambox.api_proxy.device_tensor import DeviceTensor
 
@@ -293,3 +295,15 @@ def test_followers_that_ended_leave_the_open_batch_and_their_parked_calls_are_re
     c.call.inst.invocation = object()  # c's request ended (its instance serves another)
     batching.hand_on(batch, a)  # a dropped too: nobody is left to run it
     assert not batching.gatherer.is_open(batch) and c.result.exception() is not None
+
+    # A leader whose batch closed with no follower alive runs alone; the ended followers are resumed.
+    lead, gone = member(1), member(1)
+    batch = batching.join("m", lead, limits, now=1.0)
+    batching.join("m", gone, limits, now=1.1)
+    gone.call.inst.state = "dead"
+    leading = _lead(SimpleNamespace(batching=batching), lead.call, "m", lead, batch, None)
+    next(leading)  # waits for the batch to close
+    with pytest.raises(StopIteration) as ran:
+        leading.send(batch)
+    assert ran.value.value is None and batching.alone == 1  # the leader's own plan, as if unbatched
+    assert gone.result.done() and gone.result.exception() is not None

@@ -61,7 +61,8 @@ def test_cli_burst_through_the_gateway_reports_latency_cold_starts_and_memory(ti
     assert main([*argv, "--params", "n=4", "--pa", "off", "--bt", "off", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "requests ok / failed" in printed and "3 / 0" in printed and "pool reserved" in printed
-    assert "batched inferences / calls in them" in printed and "0 / 0" in printed  # nothing here batches
+    batching_row = next(line for line in printed.splitlines() if "batched inferences / calls in them" in line)
+    assert "0 / 0" in batching_row  # nothing here batches
 
     report = json.loads(out.read_text())
     assert report["via"] == "gateway" and report["requests"] == 3 and report["ok"] == 3
@@ -183,6 +184,14 @@ def test_memory_from_the_gateway_metrics_text():
     assert (memory.pool_reserved_bytes, memory.pool_used_bytes) == (300, 200)
     assert memory.instances == {"make": 2}
     assert (memory.batches, memory.batched_calls) == (3, 7)
+    # A burst reports its own batches, not the warm-up's (nor those of a proxy that restarted since).
+    from streambox.workflows.burst import _batching_since
+
+    earlier = Memory(batches=1, batched_calls=2)
+    since = _batching_since(memory, earlier)
+    assert (since.batches, since.batched_calls) == (2, 5)
+    restarted = Memory(batches=9, batched_calls=20)
+    assert _batching_since(memory, restarted) == memory
 
 
 def test_a_stream_only_burst_passes_data_through_the_ipc_store(tiny):

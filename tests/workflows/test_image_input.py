@@ -118,6 +118,14 @@ def test_request_bodies_become_events():
     too_many = f"has {MAX_MULTIPART_PARTS + 1} parts, more than {MAX_MULTIPART_PARTS}"
     with pytest.raises(BodyError, match=too_many):
         event_from_body(payload.content_type, b"".join(_chunks(payload)))
+    # Parts nested in one part count too (the parser reads them alike).
+    inner = b"".join(b"--i\r\nContent-Disposition: form-data; name=a\r\n\r\nx\r\n" for _ in range(100))
+    nested = (
+        b"--o\r\nContent-Disposition: form-data; name=n\r\nContent-Type: multipart/mixed; boundary=i\r\n\r\n"
+        + inner + b"--i--\r\n--o--\r\n"
+    )
+    with pytest.raises(BodyError, match=f"more than {MAX_MULTIPART_PARTS}"):
+        event_from_body("multipart/form-data; boundary=o", nested)
 
 
 def test_a_lone_surrogate_is_a_400_and_a_pair_is_text():
@@ -127,6 +135,11 @@ def test_a_lone_surrogate_is_a_400_and_a_pair_is_text():
     for body in (b'{"a": "\\ud800"}', b'{"\\udfff": 1}', b'{"a": ["x\\uDBFF"]}'):
         with pytest.raises(BodyError, match="lone UTF-16 surrogate"):
             event_from_body("application/json", body)
+    # Nor as bytes: UTF-8 has no encoding of a surrogate, and JSON travels as UTF-8 (RFC 8259).
+    for body in (b'{"a": "\xed\xa0\x80"}', '{"a": 1}'.encode("utf-16")):
+        with pytest.raises(BodyError, match="is not UTF-8 text"):
+            event_from_body("application/json", body)
+    assert event_from_body("application/json", b'\xef\xbb\xbf{"a": 1}') == {"a": 1}  # a BOM is fine
 
 
 def _chunks(payload) -> list[bytes]:
