@@ -22,8 +22,10 @@ limit is answered 503 with ``Retry-After`` before its body is read (Triton's ful
 UNAVAILABLE the same way); a declared body past `max_body_bytes` is answered 413 before it is read;
 a body that has not arrived `body_timeout_s` after admission is answered 408 (a client that stops
 sending would otherwise hold its admission for ever); a client that goes away cancels its request
-(`GatewayServer`: the run ends as a timeout would, its slot is free at once); with a `token`, every
-route but ``/healthz`` wants exactly one ``Authorization: Bearer <token>`` header (401 otherwise);
+(`GatewayServer`: the run ends as a timeout would, and its slot is free once its body's parse, if
+one is under way, has ended); with a `token`, every
+route but ``/healthz`` wants exactly one ``Authorization: Bearer <token>`` header (401 otherwise); a
+connection without a whole request for `idle_timeout_s` (75 s) is closed (`GatewayServer`);
 `GatewayServer` binds beyond the loopback interface only with `allow_remote=True`, and warns when
 it does (louder without a token). Errors are JSON, each with its own status.
 """
@@ -59,6 +61,9 @@ DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 4 * DEFAULT_MAX_BODY_BYTES
 RETRY_AFTER_S = 1  # what a refused caller is told to wait
 #: Seconds an admitted body has to arrive in full: minutes of slack for a large image on a slow link.
 DEFAULT_BODY_TIMEOUT_S = 60.0
+#: Seconds a connection may sit without a whole request (idle between requests, or its headers not
+#: ended): nginx's keep-alive default. aiohttp's own, an hour, let idle sockets pile up to the fd limit.
+DEFAULT_IDLE_TIMEOUT_S = 75.0
 OPEN_ROUTES = frozenset({"/healthz"})  # answered without the bearer token
 _HTTP_STATUS = {"ok": 200, "error": 500, "timeout": 504}
 
@@ -288,9 +293,16 @@ class GatewayServer:
     """Runs a gateway on host:port (port 0: a free port) inside the running event loop."""
 
     def __init__(
-        self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, *, allow_remote: bool = False
+        self,
+        gateway: Gateway,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        allow_remote: bool = False,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         check_bind(host, allow_remote)
+        self.idle_timeout_s = idle_timeout_s
         if not is_loopback(host):
             log.warning(
                 "the gateway listens on %s, reachable beyond this machine%s",
@@ -310,7 +322,12 @@ class GatewayServer:
     async def start(self) -> str:
         # A client that goes away cancels its request's handler: the engine ends the run as a timeout
         # would (its invocations and keys dropped), and its admission is free at once.
-        self._runner = web.AppRunner(self.gateway.app(), access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(
+            self.gateway.app(),
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=self.idle_timeout_s,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

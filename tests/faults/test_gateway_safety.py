@@ -25,12 +25,12 @@ NAP = "name: nap\nslo_ms: 5000\nfunctions:\n  nap: {handler: fault_handlers:nap,
 TOKEN = "s3cret-token-of-32-characters!!!"
 
 
-def _serve(local_invoker, scenario, spec=ECHO, **gateway_options):
+def _serve(local_invoker, scenario, spec=ECHO, idle_timeout_s=75.0, **gateway_options):
     async def go():
         engine = Engine(local_invoker)
         await engine.deploy(parse_spec(spec, "spec.yaml", HERE))
         try:
-            server = GatewayServer(Gateway(engine, **gateway_options))
+            server = GatewayServer(Gateway(engine, **gateway_options), idle_timeout_s=idle_timeout_s)
             async with server, aiohttp.ClientSession() as session:
                 return await scenario(session, server.url)
         finally:
@@ -332,3 +332,25 @@ def test_a_token_header_twice_or_in_odd_bytes_is_a_401(local_invoker):
         return out
 
     assert _serve(local_invoker, scenario, token=TOKEN) == [b"HTTP/1.1 401 Unauthorized"] * 3
+
+
+def test_a_connection_without_a_whole_request_is_closed(local_invoker):
+    """Silent, or its headers never ended: it was kept for an hour (aiohttp's keep-alive default), so
+    idle sockets could pile up to the descriptor limit."""
+
+    async def scenario(session, url):
+        closed_after = []
+        for sent in (b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"):
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(sent)
+            started = time.monotonic()
+            assert await asyncio.wait_for(reader.read(4096), timeout=10) == b""  # closed, unanswered
+            closed_after.append(time.monotonic() - started)
+            writer.close()
+        async with session.post(f"{url}/workflows/echo/invoke", json={"value": 1}) as r:
+            return closed_after, r.status
+
+    closed_after, status = _serve(local_invoker, scenario, idle_timeout_s=0.5)
+    assert all(0.3 < s < 5 for s in closed_after), closed_after
+    assert status == 200
