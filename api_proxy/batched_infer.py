@@ -144,9 +144,10 @@ class Batching:
         signature = tuple((str(t.dtype), tuple(t.shape[1:])) for t in member.inputs)
         kind = (member.call.inst.spec.name, model, signature)
         waiting = self.gatherer.open_batch(kind)
-        for ended in [m for m in waiting.members[1:] if not m.alive] if waiting is not None else []:
-            self.leave(waiting, ended)
-            release(ended)
+        if waiting is not None:
+            for ended in [m for m in waiting.members[1:] if not m.alive]:
+                self.leave(waiting, ended)
+                release(ended)
         batch, closed = self.gatherer.add(kind, member, member.samples, limits, now)
         for done in closed:
             self._hand_over(done)
