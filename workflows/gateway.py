@@ -321,7 +321,8 @@ class GatewayServer:
 
     async def start(self) -> str:
         # A client that goes away cancels its request's handler: the engine ends the run as a timeout
-        # would (its invocations and keys dropped), and its admission is free at once.
+        # would (its invocations and keys dropped), and its admission is free (once a parse under way
+        # has ended: `Gateway._invoke_admitted`).
         self._runner = web.AppRunner(
             self.gateway.app(),
             access_log=None,
