@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from streambox.device.base import InvalidAddress, OutOfDeviceMemory
 from streambox.device.emulated import EmulatedBackend
+from streambox.memory_pool import metrics as metrics_module
 from streambox.memory_pool.metrics import PoolMetrics
 from streambox.memory_pool.pool import DeviceMemoryPool, PoolConfig, PoolOutOfMemory, Reclaim, chunk_size_for
 
@@ -350,6 +351,52 @@ def test_metrics_export(tmp_path) -> None:
     data = m.to_json(tmp_path / "pool.json")
     assert data["summary"]["peak_reserved"] == 2 * MiB
     assert data["series"]["reserved_bytes"][-1] == 2 * MiB
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.floats(0.0, 2.0),
+    st.lists(
+        st.tuples(st.sampled_from([0.0, 0.1, 1.0, -0.5]), st.integers(0, 2**40), st.integers(0, 2**40)),
+        min_size=1,
+        max_size=300,
+    ),
+)
+def test_metrics_queued_changes_integrate_as_one_by_one(interval, changes) -> None:
+    """`update` queues; the bulk integration must give what integrating each change as it came gives
+    (a clock that goes back adds no time; the series takes a change per `series_interval_s`), here
+    with a short queue so that a full one is integrated too."""
+    queued, metrics_module.QUEUED_CHANGES = metrics_module.QUEUED_CHANGES, 7
+    try:
+        _check_queued_changes(interval, changes)
+    finally:
+        metrics_module.QUEUED_CHANGES = queued
+
+
+def _check_queued_changes(interval: float, changes: list[tuple[float, int, int]]) -> None:
+    m = PoolMetrics(clock=lambda: 0.0, series_interval_s=interval)
+    m.reset(0.0)
+    now, last, values, integrals, peaks = 0.0, 0.0, (0, 0, 0), [0.0, 0.0, 0.0], [0, 0, 0]
+    series, sampled = [(0.0, 0, 0, 0)], 0.0
+    for step, (dt, reserved, demand) in enumerate(changes):
+        now += dt
+        new = (reserved, reserved // 2, demand)
+        m.update(now, *new)
+        if step % 97 == 96:
+            m.summary(now)  # a read in between integrates what is queued so far
+        if now > last:
+            integrals = [total + value * (now - last) for total, value in zip(integrals, values, strict=True)]
+            last = now
+        values, peaks = new, [max(p, v) for p, v in zip(peaks, new, strict=True)]
+        if now - sampled >= interval:
+            series.append((now, *new))
+            sampled = now
+    end = last + 1.0
+    s = m.summary(end)
+    expected = [(total + value) / end for total, value in zip(integrals, values, strict=True)]
+    assert [s.mean_reserved, s.mean_allocated, s.mean_demand] == pytest.approx(expected, rel=1e-9)
+    assert [s.peak_reserved, s.peak_allocated, s.peak_demand] == peaks
+    assert [(p.t, p.reserved, p.allocated, p.demand) for p in m.series()][: len(series)] == series
 
 
 @settings(max_examples=30, deadline=None)
