@@ -180,7 +180,10 @@ def op_put(res: Resources, call: CallContext, key: Any, handle: Any, consumers: 
             f"PUT {key!r}: this buffer already belongs to the communication store (it came from a GET "
             f"or an earlier PUT); PUT a copy instead (ctx.alloc + ctx.memcpy)"
         )
-    where = res.store.put(key, t, device=call.device, consumers=consumers, ttl=ttl, stream=call.inst.stream)
+    where = res.store.put(
+        key, t, device=call.device, consumers=consumers, ttl=ttl, stream=call.inst.stream,
+        writer=call.inst.spec.name,  # held to one function's share of the workflow's store
+    )
     if adopted(where, t, call.device):  # the managed store took the bytes over; the handle stays usable
         res.buffers.disown(t.address)
     # else the store copied them (CUDA-IPC style): the buffer stays the request's, freed with it

@@ -100,6 +100,7 @@ class _Entry:
     reads_left: int | None
     expires_at: float | None
     ready: Event | None  # the copy into the block is done when it completes
+    writer: str | None = None  # the function that PUT it (`quota.WriterTally`)
 
 
 @dataclass(eq=False)
@@ -134,6 +135,7 @@ class IpcStore:
         self._copy_streams = {g: rt.create_stream() for g, rt in self._rt.items()}
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[str, _Entry] = {}
+        self._writers = quota.WriterTally()  # what each function's keys hold (`writer_share`)
         self._gone: dict[str, str] = {}
         self._leases: dict[int, _LeaseRecord] = {}
         self._lease_ids = itertools.count(1)
@@ -240,10 +242,11 @@ class IpcStore:
         ttl: float | None = None,
         overwrite: bool = False,
         stream: Stream | None = None,
+        writer: str | None = None,
     ) -> Location:
         """Copy `value` (a CPU tensor, or a device tensor of GPU `device` whose writes were issued to
         `stream`) into a fresh allocation and export it; to host memory when the GPU is full. The
-        producer keeps its buffer."""
+        producer keeps its buffer. `writer`: the function that PUTs it (`quota.writer_share`)."""
         self._check_open()
         check_put_args(key, consumers)
         quota.check_ttl(self.config.quota, key, ttl)
@@ -264,14 +267,17 @@ class IpcStore:
                 if old is not None and not overwrite:
                     raise KeyExists(key)
                 held = sum(self._used.values()) + self._host_used - (old.nbytes if old is not None else 0)
-                usage = quota.Usage(held, len(self._entries) + (old is None), self._host_used)
+                mine = self._writers.usage(writer, entry.nbytes, (old.writer, old.nbytes) if old else None)
+                usage = quota.Usage(held, len(self._entries) + (old is None), self._host_used, writer, *mine)
                 quota.check_put(self.config.quota, key, entry.nbytes, usage)
             except CommError:
                 self._retire(entry)
                 raise
             if old is not None:
                 self._remove(old, "overwritten")
+            entry.writer = writer
             self._entries[key] = entry
+            self._writers.add(writer, entry.nbytes)
             self._gone.pop(key, None)
             self.stats.puts += 1
             self._cond.notify_all()
@@ -456,6 +462,7 @@ class IpcStore:
         """Take `entry` out of the table (under the lock); its bytes go once unleased."""
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
+            self._writers.remove(entry.writer, entry.nbytes)
             self._gone[entry.key] = why
             if len(self._gone) > GONE_MEMORY:
                 self._gone.pop(next(iter(self._gone)))

@@ -6,6 +6,12 @@ total at most `max_host_bytes` (beyond it, data stays on its GPU, and a PUT that
 GPU fails). `None` lifts a bound. The defaults keep one workflow's store below a quarter of a 16 GB
 GPU and half as much in host memory.
 
+Within a workflow, the keys one function PUT (its *writer*) may hold at most `writer_share` of
+`max_bytes` and of `max_keys`: a function that fills the store (long-lived keys in a loop) has its
+own PUTs refused while the rest stays for the workflow's other functions, whose requests go on.
+`WriterTally` keeps what each writer holds, for the stores; a PUT without a writer (the gateway's
+request inputs, a direct store user) counts in the totals only.
+
 The store calls `check_ttl` before a PUT does anything, `check_put` once the PUT's bytes are reserved
 (so concurrent PUTs see each other) and `host_allows` before anything lands in host memory. The
 checks take the usage and return or raise; they hold no state.
@@ -31,6 +37,7 @@ class StoreQuota:
     max_keys: int | None = 65_536
     max_ttl_s: float | None = 3600.0
     max_host_bytes: int | None = 2 * GiB
+    writer_share: float | None = 0.5
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_keys", "max_host_bytes"):
@@ -39,6 +46,10 @@ class StoreQuota:
                 raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
         if self.max_ttl_s is not None and not (0 < self.max_ttl_s < math.inf):
             raise ValueError(f"max_ttl_s must be a finite number > 0 or None, got {self.max_ttl_s!r}")
+        share = self.writer_share
+        number = isinstance(share, int | float) and not isinstance(share, bool)
+        if share is not None and not (number and 0 < share <= 1):
+            raise ValueError(f"writer_share must be a number in (0, 1] or None, got {share!r}")
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,9 @@ class Usage:
     bytes: int  # every tier
     keys: int
     host_bytes: int
+    writer: str | None = None  # the function whose PUT this is (None: counted in the totals only)
+    writer_bytes: int = 0  # what the writer's keys hold, this PUT included
+    writer_keys: int = 0
 
 
 def check_ttl(quota: StoreQuota, key: str, ttl: float | None) -> None:
@@ -72,6 +86,61 @@ def check_put(quota: StoreQuota, key: str, nbytes: int, usage: Usage) -> None:
             f"PUT {key!r}: {nbytes} bytes would bring the workflow's store to {usage.bytes} bytes, "
             f"above its quota of {quota.max_bytes} bytes"
         )
+    share = quota.writer_share
+    if usage.writer is None or share is None:
+        return
+    if quota.max_keys is not None and usage.writer_keys > (keys := int(quota.max_keys * share)):
+        raise QuotaExceeded(
+            f"PUT {key!r}: function {usage.writer!r} holds {usage.writer_keys - 1} keys of the workflow's "
+            f"store, at most {keys} allowed (writer_share {share:g} of max_keys {quota.max_keys}); the "
+            "rest is kept for the workflow's other functions"
+        )
+    if quota.max_bytes is not None and usage.writer_bytes > (most := int(quota.max_bytes * share)):
+        raise QuotaExceeded(
+            f"PUT {key!r}: {nbytes} bytes would bring function {usage.writer!r}'s keys to "
+            f"{usage.writer_bytes} bytes of the workflow's store, above its share of {most} bytes "
+            f"(writer_share {share:g} of max_bytes {quota.max_bytes}); the rest is kept for the "
+            "workflow's other functions"
+        )
+
+
+class WriterTally:
+    """Bytes and keys held by the stored keys of each writer: the state behind `writer_share`. Not
+    thread-safe: a store calls it under its own lock, where it adds and removes keys."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[int]] = {}  # writer -> [bytes, keys]
+
+    def usage(
+        self, writer: str | None, nbytes: int, replaced: tuple[str | None, int] | None = None
+    ) -> tuple[int, int]:
+        """What `writer` would hold with a PUT of `nbytes` counted, less the key it overwrites
+        (`replaced`: that key's writer and bytes) if it was its own; (0, 0) without a writer."""
+        if writer is None:
+            return 0, 0
+        held_bytes, held_keys = self._held.get(writer, (0, 0))
+        if replaced is not None and replaced[0] == writer:
+            return held_bytes + nbytes - replaced[1], held_keys
+        return held_bytes + nbytes, held_keys + 1
+
+    def add(self, writer: str | None, nbytes: int) -> None:
+        if writer is not None:
+            held = self._held.setdefault(writer, [0, 0])
+            held[0] += nbytes
+            held[1] += 1
+
+    def remove(self, writer: str | None, nbytes: int) -> None:
+        held = self._held.get(writer) if writer is not None else None
+        if held is not None:
+            held[0] -= nbytes
+            held[1] -= 1
+            if held[1] <= 0:
+                del self._held[writer]  # type: ignore[arg-type]  # not None: it was found
+
+    def held(self, writer: str) -> tuple[int, int]:
+        """Bytes and keys `writer`'s stored keys hold now."""
+        held_bytes, held_keys = self._held.get(writer, (0, 0))
+        return held_bytes, held_keys
 
 
 def host_allows(quota: StoreQuota, host_bytes: int, nbytes: int) -> bool:

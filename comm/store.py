@@ -89,6 +89,7 @@ class _Item:
     ready: Event | None  # the producer's writes are done when this completes
     last_reader: int | None = None
     moving: bool = False
+    writer: str | None = None  # the function that PUT it (`quota.WriterTally`)
 
 
 @dataclass(eq=False)
@@ -141,6 +142,7 @@ class CommStore:
         self._free_streams = {g: rt.create_stream() for g, rt in self._rt.items()}
         self._cond = threading.Condition(threading.Lock())  # never re-entered: the pool does not call up
         self._items: dict[str, _Item] = {}
+        self._writers = quota.WriterTally()  # what each function's keys hold (`writer_share`)
         self.table = NodeTable(node)
         self._used = dict.fromkeys(self._rt, 0)
         self._host_used = 0
@@ -423,11 +425,13 @@ class CommStore:
         ttl: float | None = None,
         overwrite: bool = False,
         stream: Stream | None = None,
+        writer: str | None = None,
     ) -> Location:
         """Store `value` under `key`; see the module docstring. Returns where it landed.
 
         `device` is the producer's GPU (for a device tensor: the GPU holding it). `stream` is the
         producer's stream for a device tensor: readers wait for the work issued to it so far.
+        `writer`: the function that PUTs it, held to its share of the quota (`quota.writer_share`).
         """
         self._check_open()
         check_put_args(key, consumers)
@@ -436,10 +440,8 @@ class CommStore:
         with self._cond:
             if key in self._items and not overwrite:
                 raise KeyExists(key)
-        if isinstance(value, torch.Tensor):
-            item = self._upload(key, value, gpu)
-        else:
-            item = self._adopt(key, value, gpu, stream)
+        uploaded = isinstance(value, torch.Tensor)
+        item = self._upload(key, value, gpu) if uploaded else self._adopt(key, value, gpu, stream)
         now = self.clock()
         ttl = ttl if ttl is not None else self.config.default_ttl_s
         item.reads_left = consumers
@@ -449,11 +451,10 @@ class CommStore:
             try:
                 if old is not None and not overwrite:  # a concurrent PUT of the same key won the race
                     raise KeyExists(key)
-                held = sum(self._used.values()) + self._host_used - (old.nbytes if old is not None else 0)
-                usage = quota.Usage(held, len(self._items) + (old is None), self._host_used)
-                quota.check_put(self.config.quota, key, item.nbytes, usage)  # this PUT's bytes counted
+                item.writer = writer
+                self._check_quota(item, old)
             except CommError:
-                if isinstance(value, torch.Tensor):
+                if uploaded:
                     self._retire(item.buffer)
                 else:
                     self._account(gpu, -item.nbytes)  # the adopted bytes stay the producer's
@@ -461,6 +462,7 @@ class CommStore:
             if old is not None:
                 self._remove(old, "overwritten")
             self._items[key] = item
+            self._writers.add(writer, item.nbytes)
             if item.expires_at is not None:
                 self._next_deadline = min(self._next_deadline, item.expires_at)
             self._wake_ticker()
@@ -473,6 +475,14 @@ class CommStore:
         for callback in watchers:  # outside the lock: a callback may GET the key at once
             callback()
         return location  # type: ignore[return-value]
+
+    def _check_quota(self, item: _Item, old: _Item | None) -> None:
+        """`quota.check_put` of `item`'s PUT, its bytes counted and those of the key it overwrites
+        (`old`) not; the lock held."""
+        held = sum(self._used.values()) + self._host_used - (old.nbytes if old is not None else 0)
+        mine = self._writers.usage(item.writer, item.nbytes, (old.writer, old.nbytes) if old else None)
+        usage = quota.Usage(held, len(self._items) + (old is None), self._host_used, item.writer, *mine)
+        quota.check_put(self.config.quota, item.key, item.nbytes, usage)
 
     def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback()` once after the next PUT of `key` (on the putting thread; at once if the
@@ -530,6 +540,7 @@ class CommStore:
         """Take `item` out of the tables (under the lock); its bytes go once unleased."""
         if self._items.get(item.key) is item:
             del self._items[item.key]
+            self._writers.remove(item.writer, item.nbytes)
             self.table.remove(item.key)
             self._gone[item.key] = why
             self._gone.move_to_end(item.key)

@@ -82,10 +82,12 @@ class Store(KeyStore, Protocol):
         ttl: float | None = None,
         overwrite: bool = False,
         stream: Stream | None = None,
+        writer: str | None = None,
     ) -> Location:
         """Store `value` under `key`; returns where the bytes are. A returned address equal to a device
         tensor's own means the store adopted the producer's buffer (it frees it); any other means it
-        copied them and the buffer stays the producer's."""
+        copied them and the buffer stays the producer's. `writer`: the function that PUTs it, held to
+        its share of the quota (`quota.writer_share`)."""
         ...
 
     def get(

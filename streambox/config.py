@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic_core import to_jsonable_python
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from streambox.settings_base import (
@@ -374,14 +375,15 @@ class Tuning(SettingsModel):
         return library_config(MemoryOptions, self.memory, "memory", reserved)
 
     def tuning(self) -> dict[str, dict[str, Any]]:
-        """The groups given, each value as the library takes it (for the records)."""
+        """The groups given, each value as the library takes it (for the records), in plain types (a
+        nested dataclass, the store's `quota`, as a dict: the records are JSON, the stats msgpack)."""
         built = (("pool", self.pool, self.pool_config), ("store", self.store, self.store_base),
                  ("memory", self.memory, self.memory_base))  # fmt: skip
         out = {}
         for name, group, make in built:
             if group:
                 made = make()
-                out[name] = {key: getattr(made, key) for key in group}
+                out[name] = {key: to_jsonable_python(getattr(made, key)) for key in group}
         return out
 
 

@@ -141,6 +141,21 @@ def test_library_knobs_come_in_groups_checked_against_the_librarys_dataclasses(
     assert proxy.settings()["pool"] == {"chunk_bytes": 4 << 20}
 
 
+def test_a_nested_knob_is_recorded_in_plain_types() -> None:
+    """The store's `quota` is a dataclass: recorded as it was, it stopped the proxy at its first `stats`
+    reply (msgpack cannot carry it) and a replay's config.json (JSON neither)."""
+    import json
+
+    from streambox.api_proxy.proxy_config import ProxyConfig
+
+    quota_group = {"quota": {"max_bytes": 1024, "writer_share": 0.25}}
+    proxy = ProxyConfig(workflow="wf", functions=(), store=quota_group)
+    quota = proxy.tuning()["store"]["quota"]
+    assert (quota["max_bytes"], quota["writer_share"], quota["max_keys"]) == (1024, 0.25, 65_536)
+    json.dumps(proxy.settings())
+    assert proxy.store_config().quota.writer_share == 0.25
+
+
 @pytest.mark.parametrize(
     ("groups", "message"),
     [

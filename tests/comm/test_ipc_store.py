@@ -132,6 +132,22 @@ def test_ttl_and_quota_as_the_managed_store(runtimes):
     assert SPEC.total_memory  # the fixture's small GPUs
 
 
+def test_a_writer_is_held_to_its_share_as_in_the_managed_store(runtimes):
+    from streambox.comm.quota import QuotaExceeded, StoreQuota
+
+    store = IpcStore(runtimes, config=StoreConfig(quota=StoreQuota(max_bytes=128, writer_share=0.25)))
+    try:
+        store.put("a", torch.ones(8), device=0, writer="f")  # 32 bytes: its whole share
+        with pytest.raises(QuotaExceeded, match="above its share of 32 bytes"):
+            store.put("b", torch.ones(1), device=0, writer="f")
+        store.put("c", torch.ones(8), device=0, writer="g")
+        assert store.delete("a")
+        store.put("b", torch.ones(1), device=0, writer="f")
+        assert sorted(store.keys()) == ["b", "c"]
+    finally:
+        store.close()
+
+
 def test_a_refused_put_frees_its_copy_only_after_the_copy_ran(runtimes):
     """The quota is checked once the copy is issued: a refused PUT's allocation waits for that copy."""
     import time

@@ -16,6 +16,7 @@ from streambox.comm.quota import (
     QuotaExceeded,
     StoreQuota,
     Usage,
+    WriterTally,
     check_put,
     check_ttl,
     host_allows,
@@ -48,6 +49,34 @@ def test_bytes_and_keys_bounds_are_inclusive():
     with pytest.raises(QuotaExceeded, match="holds 2 keys, at most 2 allowed"):
         check_put(q, "k", 1, Usage(bytes=1, keys=3, host_bytes=0))
     check_put(StoreQuota(max_bytes=None, max_keys=None), "k", 1 << 40, Usage(1 << 40, 10**9, 0))
+
+
+def test_one_writer_holds_at_most_its_share_inclusive():
+    q = StoreQuota(max_bytes=100, max_keys=10, writer_share=0.5)
+    check_put(q, "k", 10, Usage(60, 6, 0, writer="f", writer_bytes=50, writer_keys=5))
+    with pytest.raises(QuotaExceeded, match=r"function 'f''s keys to 51 bytes .* above its share of 50 bytes "
+                       r"\(writer_share 0.5 of max_bytes 100\)"):
+        check_put(q, "k", 11, Usage(61, 6, 0, writer="f", writer_bytes=51, writer_keys=5))
+    with pytest.raises(QuotaExceeded, match=r"function 'f' holds 5 keys .* at most 5 allowed"):
+        check_put(q, "k", 1, Usage(1, 6, 0, writer="f", writer_bytes=1, writer_keys=6))
+    check_put(q, "k", 99, Usage(bytes=99, keys=1, host_bytes=0))  # no writer: the totals only
+    check_put(StoreQuota(max_bytes=100, writer_share=None), "k", 99, Usage(99, 1, 0, "f", 99, 1))
+    for bad in (0, 1.5, -0.1, True, "half"):
+        with pytest.raises(ValueError, match="writer_share"):
+            StoreQuota(writer_share=bad)
+
+
+def test_writer_tally_counts_what_each_writer_s_keys_hold():
+    tally = WriterTally()
+    assert tally.usage("f", 10) == (10, 1) and tally.usage(None, 10) == (0, 0)
+    tally.add("f", 10)
+    tally.add("g", 7)
+    tally.add(None, 99)  # no writer: nothing to count
+    assert tally.usage("f", 4, replaced=("f", 10)) == (4, 1)  # overwriting its own key: not a new one
+    assert tally.usage("f", 4, replaced=("g", 7)) == (14, 2)  # overwriting another's: all its own
+    tally.remove("f", 10)
+    assert tally.held("f") == (0, 0) and tally.held("g") == (7, 1)
+    tally.remove(None, 99)
 
 
 def test_host_tier_cap():
@@ -127,3 +156,17 @@ def test_host_tier_cap_keeps_data_on_the_gpu_and_refuses_what_has_no_room(store_
         for i in range(6, 12):
             store.put(f"k{i}", _mib(2))
     assert store.usage()[-1] <= 2 * MiB
+
+
+def test_a_writer_over_its_share_is_refused_and_the_others_go_on(store_of):
+    make, _ = store_of
+    store = make(StoreQuota(max_bytes=4 * MiB, writer_share=0.5))
+    store.put("f0", _mib(1), writer="f")
+    store.put("f1", _mib(1), writer="f")
+    with pytest.raises(QuotaExceeded, match="function 'f''s keys to 3145728 bytes .* share of 2097152"):
+        store.put("f2", _mib(1), writer="f")
+    store.put("f1", _mib(0.5), writer="f", overwrite=True)  # its own key replaced: within its share
+    store.put("g0", _mib(2), writer="g")  # the rest of the store is the others'
+    store.delete("f0")
+    store.put("f2", _mib(1), writer="f")  # a deleted key gave its share back
+    assert store.keys() == ["f1", "f2", "g0"]
