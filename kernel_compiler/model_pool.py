@@ -78,7 +78,7 @@ class ModelPool:
             return ZOO[model]
         record = registry.find(self.root, model)
         if record is None:
-            known = list(ZOO) + [r.ref for r in registry.registered(self.root)]
+            known = list(ZOO) + [r.ref for r in registry.registered(self.root, [])]
             raise UnknownModelError(model, known)
         model_lease.hold(self.root / record.ref)
         return registry.as_entry(self.root, record)

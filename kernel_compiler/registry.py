@@ -17,6 +17,7 @@ built under a temporary name and renamed into place in one step: a failed regist
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import load_model, save_model
 from torch import nn
 from torch.export.graph_signature import InputKind
@@ -55,6 +57,7 @@ from .zoo import ZOO, ModelEntry
 
 __all__ = [
     "BatchReport",
+    "CorruptRecord",
     "ModelRecord",
     "ModelRegistrationError",
     "UnsupportedModelError",
@@ -115,10 +118,19 @@ class ModelRecord:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> ModelRecord:
-        d = json.loads(text)
-        d["batches"] = [BatchReport(**b) for b in d["batches"]]
-        return cls(**d)
+    def from_json(cls, text: str | bytes) -> ModelRecord:
+        """The record `text` holds, checked field by field (pydantic's `ValidationError` otherwise)."""
+        return _record_adapter().validate_json(text)
+
+
+@functools.cache
+def _record_adapter() -> TypeAdapter[ModelRecord]:
+    return TypeAdapter(ModelRecord)
+
+
+class CorruptRecord(ValueError):
+    """A `model.json` that holds no model record (edited or damaged outside `streambox models`): the
+    message names the file, the field and what is wrong."""
 
 
 # --- names and lookup ------------------------------------------------------------------------------
@@ -178,7 +190,22 @@ def _removed_versions(root: Path, name: str) -> list[int]:
 
 
 def read_record(model_dir: Path) -> ModelRecord:
-    return ModelRecord.from_json((model_dir / MANIFEST).read_text())
+    """The record of the registered version in `model_dir`; `CorruptRecord` if its `model.json` is none."""
+    path = model_dir / MANIFEST
+    try:
+        record = ModelRecord.from_json(path.read_bytes())
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        problem = f"{where}: {first['msg']}" if where else first["msg"]
+    else:
+        if record.batches:
+            return record
+        problem = "batches: no lowered batch size"
+    raise CorruptRecord(
+        f"{path}: not a model record ({problem}); remove it (`streambox models remove {model_dir.name}`) "
+        "and register the model again"
+    )
 
 
 def find(root: Path, ref: str) -> ModelRecord | None:
@@ -197,11 +224,20 @@ def find(root: Path, ref: str) -> ModelRecord | None:
     return read_record(root / f"{name}@{version}")
 
 
-def registered(root: Path) -> list[ModelRecord]:
-    """Every registered version in the pool, by name then version."""
+def registered(root: Path, corrupt: list[CorruptRecord] | None = None) -> list[ModelRecord]:
+    """Every registered version in the pool, by name then version. A corrupt record raises
+    `CorruptRecord`, or with `corrupt` given is appended there and left out."""
     if not root.is_dir():
         return []
-    records = [read_record(d) for d in root.iterdir() if "@" in d.name and (d / MANIFEST).exists()]
+    records = []
+    for d in root.iterdir():
+        if "@" in d.name and (d / MANIFEST).exists():
+            try:
+                records.append(read_record(d))
+            except CorruptRecord as error:
+                if corrupt is None:
+                    raise
+                corrupt.append(error)
     return sorted(records, key=lambda r: (r.name, r.version))
 
 

@@ -74,10 +74,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     from streambox.kernel_compiler import registry
 
-    records = registry.registered(_pool(args))
+    corrupt: list[registry.CorruptRecord] = []
+    records = registry.registered(_pool(args), corrupt)
+    for error in corrupt:  # the others are still listed
+        print(f"streambox models: {error}", file=sys.stderr)
     if not records:
-        print(f"no registered models in {_pool(args)} (the zoo's models need no registration)")
-        return 0
+        other = "other " if corrupt else ""
+        print(f"no {other}registered models in {_pool(args)} (the zoo's models need no registration)")
+        return 1 if corrupt else 0
     table = Table(title=f"Registered models in {_pool(args)}")
     columns = (
         "Model",
@@ -108,7 +112,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     # Piped output gets wide lines rather than a table folded to 80 columns.
     Console(width=None if sys.stdout.isatty() else 240).print(table)
     print("ms/inference: modelled by kernel_compiler.cost_model for the batch and device preset named")
-    return 0
+    return 1 if corrupt else 0
 
 
 def _record(args: argparse.Namespace):  # -> registry.ModelRecord (lazy import)
@@ -116,7 +120,7 @@ def _record(args: argparse.Namespace):  # -> registry.ModelRecord (lazy import)
 
     record = registry.find(_pool(args), args.model)
     if record is None:
-        known = ", ".join(r.ref for r in registry.registered(_pool(args))) or "none"
+        known = ", ".join(r.ref for r in registry.registered(_pool(args), [])) or "none"
         raise ValueError(f"no registered model {args.model!r} in {_pool(args)} (registered: {known})")
     return record
 

@@ -425,3 +425,27 @@ def test_verify_names_a_factory_whose_code_changed(tmp_path, factory_module):
             registry.verify(root, "net")
     finally:
         factory_module.build = original
+
+
+def test_a_damaged_record_is_named_and_the_other_models_still_listed(tmp_path, factory_module, capsys):
+    """A `model.json` edited or damaged by hand stopped `models list` with a bare JSON error ("batches"
+    for a missing field), naming neither the file nor the model; every other model was unlisted."""
+    from streambox.cli import main
+
+    root = tmp_path / "pool"
+    registry.register(root, "net", factory=f"{factory_module.__name__}:build")
+    registry.register(root, "other", factory=f"{factory_module.__name__}:build")
+    manifest = root / "net@1" / registry.MANIFEST
+    damages = (("{bad", "Invalid JSON"), ('{"name": 5}', "name: Input should be a valid string"))
+    for damage, problem in damages:
+        manifest.write_text(damage)
+        with pytest.raises(registry.CorruptRecord,
+                           match=rf"net@1/model.json: not a model record \({problem}"):
+            registry.find(root, "net")
+        assert main(["models", "list", "--pool", str(root)]) == 1
+        out, err = capsys.readouterr()
+        assert "other@1" in out and "streambox models remove net@1" in err
+    corrupt: list[registry.CorruptRecord] = []
+    assert [r.ref for r in registry.registered(root, corrupt)] == ["other@1"] and len(corrupt) == 1
+    assert main(["models", "remove", "net@1", "--pool", str(root)]) == 0  # what the message advises
+    assert main(["models", "list", "--pool", str(root)]) == 0
