@@ -475,18 +475,21 @@ def register(
     factory: str | None = None,
     weights: Path | str | None = None,
     input_shape: Sequence[int] | None = None,
-    input_dtype: str = "float32",
+    input_dtype: str | None = None,
     batches: Sequence[int] = (1,),
     preset: str = DEFAULT_PRESET,
 ) -> ModelRecord:
-    """Register the next version of ``name`` from a ``.pt2`` file or a factory; all or nothing."""
+    """Register the next version of ``name`` from a ``.pt2`` file or a factory; all or nothing.
+    `input_dtype`: a factory's input dtype (default float32); a .pt2 file carries its own."""
     root = Path(root)
     base, version = parse_ref(name)
     sizes = _checked_batches(base, version, pt2, factory, weights, batches)
     if pt2 is not None:
+        if input_dtype is not None:  # it was ignored: the program's own dtype was registered
+            raise ValueError(f"an input dtype ({input_dtype}) goes with a factory; a .pt2 file carries its own")
         source = _from_pt2(pt2, sizes, input_shape)
     else:
-        source = _from_factory(str(factory), weights, input_shape, input_dtype)
+        source = _from_factory(str(factory), weights, input_shape, input_dtype or "float32")
     if max(sizes) * math.prod(source.shape) > MAX_EXAMPLE_ELEMENTS:  # built on the CPU to lower and check
         raise ModelRegistrationError(
             source.file, f"batch {max(sizes)} of input shape {list(source.shape)} is more than "

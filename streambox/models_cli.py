@@ -178,7 +178,7 @@ def add_models_arguments(models: argparse.ArgumentParser) -> None:
     source.add_argument("--factory", help="package.module:build returning an nn.Module (or (module, shape))")
     add.add_argument("--weights", help="with --factory: a .safetensors or state-dict file")
     add.add_argument("--input-shape", help="input shape without the batch, e.g. 3,32,32 (a .pt2 has its own)")
-    add.add_argument("--dtype", default="float32", help="with --factory: input dtype (default float32)")
+    add.add_argument("--dtype", help="with --factory: input dtype (default float32; a .pt2 has its own)")
     add.add_argument("--batch", default="1", help="batch sizes to lower now, e.g. 1,4 (default 1)")
     add.add_argument("--preset", default="v100-16gb", help="device preset of the modelled time")
     add.set_defaults(handler=cmd_add)

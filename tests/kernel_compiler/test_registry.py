@@ -398,6 +398,9 @@ def test_a_pt2_input_is_checked_as_a_factory_s(tmp_path):
         torch.export.save(torch.export.export(Double(), (example,), dynamic_shapes=dynamic), path)
         with pytest.raises((registry.ModelRegistrationError, registry.UnsupportedModelError), match=says):
             registry.register(tmp_path / "pool", name, pt2=path)
+    # A dtype given with a .pt2 was ignored silently (the program's own was registered).
+    with pytest.raises(ValueError, match=r"an input dtype \(float16\) goes with a factory; a .pt2 file"):
+        registry.register(tmp_path / "pool", "half", pt2=path, input_dtype="float16")
     assert registry.registered(tmp_path / "pool") == []
 
 
