@@ -486,7 +486,9 @@ def register(
     sizes = _checked_batches(base, version, pt2, factory, weights, batches)
     if pt2 is not None:
         if input_dtype is not None:  # it was ignored: the program's own dtype was registered
-            raise ValueError(f"an input dtype ({input_dtype}) goes with a factory; a .pt2 file carries its own")
+            raise ValueError(
+                f"an input dtype ({input_dtype}) goes with a factory; a .pt2 file carries its own"
+            )
         source = _from_pt2(pt2, sizes, input_shape)
     else:
         source = _from_factory(str(factory), weights, input_shape, input_dtype or "float32")
