@@ -18,9 +18,20 @@ from .tables import Location
 
 
 class FunctionClient:
-    def __init__(self, store: CommStore, device: int, owner: str, stream: Stream | None = None) -> None:
+    """`writer`: the function's name, under which its PUTs count against its share of the store's
+    quota (`quota.writer_share`); None: the totals only."""
+
+    def __init__(
+        self,
+        store: CommStore,
+        device: int,
+        owner: str,
+        stream: Stream | None = None,
+        writer: str | None = None,
+    ) -> None:
         store.runtime(device)  # fails early for a GPU the node does not have
         self.store, self.device, self.owner, self.stream = store, device, owner, stream
+        self.writer = writer
 
     def __repr__(self) -> str:
         return f"<FunctionClient {self.owner} gpu{self.device} of {self.store.node}>"
@@ -35,7 +46,7 @@ class FunctionClient:
     ) -> Location:
         return self.store.put(
             key, value, device=self.device, consumers=consumers, ttl=ttl, overwrite=overwrite,
-            stream=self.stream,
+            stream=self.stream, writer=self.writer,
         )
 
     def get(self, key: str, timeout: float | None = None) -> Lease:

@@ -87,6 +87,7 @@ class _Block:
     leases: int = 0
     retired: bool = False  # no key refers to it: freed once the last lease goes
     waits: list[Event] = field(default_factory=list)  # readers' release events
+    charge: tuple[str | None, int] | None = None  # a removed key's writer and bytes, released when freed
 
 
 @dataclass(eq=False)
@@ -215,6 +216,8 @@ class IpcStore:
             self._unfreed = [b for b in self._unfreed if b not in due]
             for block in due:
                 self._account(block, -1)
+                if block.charge is not None:
+                    self._writers.release(*block.charge)
         for block in due:
             if block.device == HOST:
                 block.host = None
@@ -462,7 +465,8 @@ class IpcStore:
         """Take `entry` out of the table (under the lock); its bytes go once unleased."""
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
-            self._writers.remove(entry.writer, entry.nbytes)
+            self._writers.remove_key(entry.writer)
+            entry.block.charge = (entry.writer, entry.nbytes)  # its writer's until freed (leases: later)
             self._gone[entry.key] = why
             if len(self._gone) > GONE_MEMORY:
                 self._gone.pop(next(iter(self._gone)))

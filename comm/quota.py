@@ -7,10 +7,14 @@ GPU fails). `None` lifts a bound. The defaults keep one workflow's store below a
 GPU and half as much in host memory.
 
 Within a workflow, the keys one function PUT (its *writer*) may hold at most `writer_share` of
-`max_bytes` and of `max_keys`: a function that fills the store (long-lived keys in a loop) has its
-own PUTs refused while the rest stays for the workflow's other functions, whose requests go on.
-`WriterTally` keeps what each writer holds, for the stores; a PUT without a writer (the gateway's
-request inputs, a direct store user) counts in the totals only.
+`max_bytes` and of `max_keys` (at least one key and one byte; 1.0: no share): a function that fills
+the store (long-lived keys in a loop) has its own PUTs refused at its share, and the rest of the
+bound is the workflow's other functions'. A key's bytes stay its writer's until the store frees them:
+a key consumed or deleted while a reader still holds a lease on it counts until that lease ends (else
+a function could read back its own keys and fill the store). The share is of the configured bound,
+not of the room the GPUs and the host tier have, and two functions at their share take it all.
+`WriterTally` keeps what each writer holds, for the stores; a PUT without a writer (a direct store
+user) counts in the totals only.
 
 The store calls `check_ttl` before a PUT does anything, `check_put` once the PUT's bytes are reserved
 (so concurrent PUTs see each other) and `host_allows` before anything lands in host memory. The
@@ -87,26 +91,41 @@ def check_put(quota: StoreQuota, key: str, nbytes: int, usage: Usage) -> None:
             f"above its quota of {quota.max_bytes} bytes"
         )
     share = quota.writer_share
-    if usage.writer is None or share is None:
+    if usage.writer is None or share is None or share >= 1:
         return
-    if quota.max_keys is not None and usage.writer_keys > (keys := int(quota.max_keys * share)):
+    if quota.max_keys is not None and usage.writer_keys > (keys := max(1, int(quota.max_keys * share))):
         raise QuotaExceeded(
             f"PUT {key!r}: function {usage.writer!r} holds {usage.writer_keys - 1} keys of the workflow's "
             f"store, at most {keys} allowed (writer_share {share:g} of max_keys {quota.max_keys}); the "
             "rest is kept for the workflow's other functions"
         )
-    if quota.max_bytes is not None and usage.writer_bytes > (most := int(quota.max_bytes * share)):
+    if quota.max_bytes is not None and usage.writer_bytes > (most := max(1, int(quota.max_bytes * share))):
         raise QuotaExceeded(
-            f"PUT {key!r}: {nbytes} bytes would bring function {usage.writer!r}'s keys to "
+            f"PUT {key!r}: {nbytes} bytes would bring the keys of function {usage.writer!r} to "
             f"{usage.writer_bytes} bytes of the workflow's store, above its share of {most} bytes "
             f"(writer_share {share:g} of max_bytes {quota.max_bytes}); the rest is kept for the "
             "workflow's other functions"
         )
 
 
+def host_allows(quota: StoreQuota, host_bytes: int, nbytes: int) -> bool:
+    """May `nbytes` more land in host memory, where the store holds `host_bytes` already?"""
+    return quota.max_host_bytes is None or host_bytes + nbytes <= quota.max_host_bytes
+
+
+def host_full(quota: StoreQuota, key: str, host_bytes: int, nbytes: int) -> QuotaExceeded:
+    """The error of a PUT that found no GPU room and no host room."""
+    return QuotaExceeded(
+        f"PUT {key!r}: no GPU has room for {nbytes} bytes and the host tier holds {host_bytes} of its "
+        f"{quota.max_host_bytes} bytes"
+    )
+
+
 class WriterTally:
-    """Bytes and keys held by the stored keys of each writer: the state behind `writer_share`. Not
-    thread-safe: a store calls it under its own lock, where it adds and removes keys."""
+    """Bytes and keys held by the stored keys of each writer: the state behind `writer_share`. A key
+    counts from its PUT until it leaves the store's table (`remove_key`), its bytes until the store
+    frees them (`release`: later, while a reader holds a lease). Not thread-safe: a store calls it
+    under its own lock."""
 
     def __init__(self) -> None:
         self._held: dict[str, list[int]] = {}  # writer -> [bytes, keys]
@@ -124,33 +143,29 @@ class WriterTally:
         return held_bytes + nbytes, held_keys + 1
 
     def add(self, writer: str | None, nbytes: int) -> None:
+        """A key of `nbytes` PUT by `writer`."""
         if writer is not None:
             held = self._held.setdefault(writer, [0, 0])
             held[0] += nbytes
             held[1] += 1
 
-    def remove(self, writer: str | None, nbytes: int) -> None:
+    def remove_key(self, writer: str | None) -> None:
+        """One of `writer`'s keys left the table (its bytes: `release`)."""
+        self._change(writer, 0, -1)
+
+    def release(self, writer: str | None, nbytes: int) -> None:
+        """The store freed `nbytes` of one of `writer`'s keys."""
+        self._change(writer, -nbytes, 0)
+
+    def _change(self, writer: str | None, nbytes: int, keys: int) -> None:
         held = self._held.get(writer) if writer is not None else None
         if held is not None:
-            held[0] -= nbytes
-            held[1] -= 1
-            if held[1] <= 0:
+            held[0] += nbytes
+            held[1] += keys
+            if held[0] <= 0 and held[1] <= 0:
                 del self._held[writer]  # type: ignore[arg-type]  # not None: it was found
 
     def held(self, writer: str) -> tuple[int, int]:
         """Bytes and keys `writer`'s stored keys hold now."""
         held_bytes, held_keys = self._held.get(writer, (0, 0))
         return held_bytes, held_keys
-
-
-def host_allows(quota: StoreQuota, host_bytes: int, nbytes: int) -> bool:
-    """May `nbytes` more land in host memory, where the store holds `host_bytes` already?"""
-    return quota.max_host_bytes is None or host_bytes + nbytes <= quota.max_host_bytes
-
-
-def host_full(quota: StoreQuota, key: str, host_bytes: int, nbytes: int) -> QuotaExceeded:
-    """The error of a PUT that found no GPU room and no host room."""
-    return QuotaExceeded(
-        f"PUT {key!r}: no GPU has room for {nbytes} bytes and the host tier holds {host_bytes} of its "
-        f"{quota.max_host_bytes} bytes"
-    )

@@ -73,6 +73,7 @@ class _Buffer:
     retired: bool = False  # no item refers to it any more: free once the last lease goes
     freed: bool = False
     waits: list[Event] = field(default_factory=list)  # readers' release events: the free waits on them
+    charge: tuple[str | None, int] | None = None  # a removed key's writer and bytes, released when freed
 
 
 @dataclass(eq=False)
@@ -339,6 +340,8 @@ class CommStore:
         if buf.freed:
             return
         buf.freed = True
+        if buf.charge is not None:
+            self._writers.release(*buf.charge)
         if buf.stored:
             self._account(buf.device, -buf.nbytes)
         if buf.device == HOST:
@@ -540,7 +543,8 @@ class CommStore:
         """Take `item` out of the tables (under the lock); its bytes go once unleased."""
         if self._items.get(item.key) is item:
             del self._items[item.key]
-            self._writers.remove(item.writer, item.nbytes)
+            self._writers.remove_key(item.writer)
+            item.buffer.charge = (item.writer, item.nbytes)  # its writer's until freed (leases: later)
             self.table.remove(item.key)
             self._gone[item.key] = why
             self._gone.move_to_end(item.key)

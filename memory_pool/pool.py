@@ -310,7 +310,9 @@ class DeviceMemoryPool:
         self._token = 0
         self.counters = PoolCounters()
         self.metrics: PoolMetrics | None = (
-            PoolMetrics(time.perf_counter, self.config.series_limit, self.config.series_interval_s)
+            PoolMetrics(
+                time.perf_counter, self.config.series_limit, self.config.series_interval_s, lock=self._lock
+            )
             if self.config.metrics
             else None
         )

@@ -82,12 +82,25 @@ def env_factory(*names: str, default: Any = None) -> Callable[[], Any]:
     return factory
 
 
-def env_group(group: str) -> Callable[[], dict[str, str]]:
-    """A default factory: the `STREAMBOX_<GROUP>__<FIELD>` variables of the environment as a mapping."""
+def env_group(group: str) -> Callable[[], dict[str, Any]]:
+    """A default factory: the `STREAMBOX_<GROUP>__<FIELD>` variables of the environment as a mapping;
+    a further `__` nests (`STREAMBOX_STORE__QUOTA__WRITER_SHARE` is the store's `quota.writer_share`)."""
 
-    def factory() -> dict[str, str]:
+    def factory() -> dict[str, Any]:
         prefix = f"{ENV_PREFIX}{group.upper()}__"
-        return {k[len(prefix) :].lower(): v for k, v in os.environ.items() if k.upper().startswith(prefix)}
+        values: dict[str, Any] = {}
+        for key, value in os.environ.items():
+            if key.upper().startswith(prefix):
+                *parents, name = key[len(prefix) :].lower().split("__")
+                node = values
+                for parent in parents:
+                    node = node.setdefault(parent, {})
+                    if not isinstance(node, dict):  # `QUOTA` and `QUOTA__X` both set: the mistake is named
+                        raise SettingsError(f"{key}: {group}.{parent} is set as a whole and by its fields")
+                if isinstance(node.get(name), dict):
+                    raise SettingsError(f"{key}: {group}.{name} is set as a whole and by its fields")
+                node[name] = value
+        return values
 
     return factory
 

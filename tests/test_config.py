@@ -156,6 +156,20 @@ def test_a_nested_knob_is_recorded_in_plain_types() -> None:
     assert proxy.store_config().quota.writer_share == 0.25
 
 
+def test_a_nested_knob_is_set_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`STREAMBOX_STORE__QUOTA__WRITER_SHARE` split one level only: `quota__writer_share` was refused
+    as no setting of StoreConfig, so the environment could not set a quota bound."""
+    from streambox.api_proxy.proxy_config import ProxyConfig
+
+    monkeypatch.setenv("STREAMBOX_STORE__QUOTA__WRITER_SHARE", "1.0")
+    monkeypatch.setenv("STREAMBOX_STORE__QUOTA__MAX_BYTES", "8589934592")
+    quota = ProxyConfig(workflow="wf", functions=()).store_config().quota
+    assert (quota.writer_share, quota.max_bytes, quota.max_keys) == (1.0, 8 << 30, 65_536)
+    monkeypatch.setenv("STREAMBOX_STORE__QUOTA", "1")
+    with pytest.raises(SettingsError, match="STREAMBOX_STORE__QUOTA.*store.quota is set as a whole and by"):
+        ProxyConfig(workflow="wf", functions=())
+
+
 @pytest.mark.parametrize(
     ("groups", "message"),
     [

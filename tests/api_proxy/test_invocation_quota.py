@@ -113,7 +113,7 @@ def test_one_function_filling_the_store_leaves_the_others_their_share(proxy) -> 
     filled = client.invoke("keep", {"tag": "fill", "n": 40, "mib": 16}, request_id="r-fill")["output"]
     assert filled["kept"] == 16  # 16 x 16 MiB: half the store
     assert filled["refused"].startswith("QuotaExceeded: PUT 'wfquota/fill-16': 16777216 bytes would bring ")
-    assert "function 'keep''s keys to 285212672 bytes of the workflow's store, above its share of " \
+    assert "the keys of function 'keep' to 285212672 bytes of the workflow's store, above its share of " \
         "268435456 bytes (writer_share 0.5 of max_bytes 536870912)" in filled["refused"]
     other = client.invoke("keep_too", {"tag": "other", "n": 8, "mib": 16, "delete": True})["output"]
     assert other == {"kept": 8, "refused": None}  # the rest of the store is still the others'

@@ -141,9 +141,16 @@ def test_a_writer_is_held_to_its_share_as_in_the_managed_store(runtimes):
         with pytest.raises(QuotaExceeded, match="above its share of 32 bytes"):
             store.put("b", torch.ones(1), device=0, writer="f")
         store.put("c", torch.ones(8), device=0, writer="g")
+        lease = store.get("c", device=0, owner="r")
+        assert store.delete("c")  # a reader still holds it: its bytes are still g's
+        with pytest.raises(QuotaExceeded, match="function 'g'.* above its share of 32 bytes"):
+            store.put("c2", torch.ones(1), device=0, writer="g")
+        lease.ready.synchronize()  # read, as a reader does, then released: the store frees it now
+        lease.release()
+        store.put("c2", torch.ones(1), device=0, writer="g")
         assert store.delete("a")
         store.put("b", torch.ones(1), device=0, writer="f")
-        assert sorted(store.keys()) == ["b", "c"]
+        assert sorted(store.keys()) == ["b", "c2"]
     finally:
         store.close()
 

@@ -54,13 +54,18 @@ def test_bytes_and_keys_bounds_are_inclusive():
 def test_one_writer_holds_at_most_its_share_inclusive():
     q = StoreQuota(max_bytes=100, max_keys=10, writer_share=0.5)
     check_put(q, "k", 10, Usage(60, 6, 0, writer="f", writer_bytes=50, writer_keys=5))
-    with pytest.raises(QuotaExceeded, match=r"function 'f''s keys to 51 bytes .* above its share of 50 bytes "
-                       r"\(writer_share 0.5 of max_bytes 100\)"):
+    with pytest.raises(QuotaExceeded, match=r"the keys of function 'f' to 51 bytes .* above its share of 50 "
+                       r"bytes \(writer_share 0.5 of max_bytes 100\)"):
         check_put(q, "k", 11, Usage(61, 6, 0, writer="f", writer_bytes=51, writer_keys=5))
     with pytest.raises(QuotaExceeded, match=r"function 'f' holds 5 keys .* at most 5 allowed"):
         check_put(q, "k", 1, Usage(1, 6, 0, writer="f", writer_bytes=1, writer_keys=6))
     check_put(q, "k", 99, Usage(bytes=99, keys=1, host_bytes=0))  # no writer: the totals only
     check_put(StoreQuota(max_bytes=100, writer_share=None), "k", 99, Usage(99, 1, 0, "f", 99, 1))
+    # A share rounds to at least one key and one byte (it refused every PUT of a one-key store), and
+    # 1.0 is no share (it rounded a huge bound down by a byte).
+    check_put(StoreQuota(max_keys=1), "k", 1, Usage(1, 1, 0, "f", 1, 1))
+    huge = 2**53 + 1
+    check_put(StoreQuota(max_bytes=huge, writer_share=1.0), "k", huge, Usage(huge, 1, 0, "f", huge, 1))
     for bad in (0, 1.5, -0.1, True, "half"):
         with pytest.raises(ValueError, match="writer_share"):
             StoreQuota(writer_share=bad)
@@ -74,9 +79,12 @@ def test_writer_tally_counts_what_each_writer_s_keys_hold():
     tally.add(None, 99)  # no writer: nothing to count
     assert tally.usage("f", 4, replaced=("f", 10)) == (4, 1)  # overwriting its own key: not a new one
     assert tally.usage("f", 4, replaced=("g", 7)) == (14, 2)  # overwriting another's: all its own
-    tally.remove("f", 10)
+    tally.remove_key("f")  # the key left the table; its bytes are held until freed
+    assert tally.held("f") == (10, 0) and tally.usage("f", 1) == (11, 1)
+    tally.release("f", 10)
     assert tally.held("f") == (0, 0) and tally.held("g") == (7, 1)
-    tally.remove(None, 99)
+    tally.remove_key(None)
+    tally.release(None, 99)
 
 
 def test_host_tier_cap():
@@ -163,10 +171,28 @@ def test_a_writer_over_its_share_is_refused_and_the_others_go_on(store_of):
     store = make(StoreQuota(max_bytes=4 * MiB, writer_share=0.5))
     store.put("f0", _mib(1), writer="f")
     store.put("f1", _mib(1), writer="f")
-    with pytest.raises(QuotaExceeded, match="function 'f''s keys to 3145728 bytes .* share of 2097152"):
+    with pytest.raises(QuotaExceeded, match="the keys of function 'f' to 3145728 bytes .* share of 2097152"):
         store.put("f2", _mib(1), writer="f")
     store.put("f1", _mib(0.5), writer="f", overwrite=True)  # its own key replaced: within its share
     store.put("g0", _mib(2), writer="g")  # the rest of the store is the others'
     store.delete("f0")
     store.put("f2", _mib(1), writer="f")  # a deleted key gave its share back
     assert store.keys() == ["f1", "f2", "g0"]
+
+
+def test_a_writer_cannot_pass_its_share_by_reading_its_own_keys_back(store_of):
+    """A consumed key left the table at once, but a lease kept its bytes in the store: a function that
+    GOT each key it PUT held nothing by the tally and filled the whole store."""
+    make, _ = store_of
+    store = make(StoreQuota(max_bytes=4 * MiB, writer_share=0.5))
+    leases = []
+    store.put("f0", _mib(1), writer="f", consumers=1)
+    leases.append(store.get("f0", owner="f"))  # consumed: the key is gone, the lease holds its bytes
+    store.put("f1", _mib(1), writer="f", consumers=1)
+    leases.append(store.get("f1", owner="f"))
+    with pytest.raises(QuotaExceeded, match="above its share of 2097152"):
+        store.put("f2", _mib(1), writer="f", consumers=1)
+    store.put("g0", _mib(2), writer="g")  # the rest is still the others'
+    for lease in leases:
+        lease.release()
+    store.put("f2", _mib(1), writer="f")  # freed with the leases: its share is back

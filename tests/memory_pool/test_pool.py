@@ -353,6 +353,33 @@ def test_metrics_export(tmp_path) -> None:
     assert data["series"]["reserved_bytes"][-1] == 2 * MiB
 
 
+def test_metrics_peaks_stay_exact_ints_and_reads_beside_updates_lose_nothing() -> None:
+    """The queued changes are integrated by a read: a read beside an update (the pool's lock held, as
+    the pool holds it) must neither lose a change nor a peak's last unit."""
+    m = PoolMetrics(clock=lambda: 0.0, series_interval_s=0.0)
+    m.reset(0.0)
+    m.update(1.0, 2**53 + 1, 3, 3)
+    assert m.summary(2.0).peak_reserved == 2**53 + 1
+    lock = threading.RLock()
+    m = PoolMetrics(clock=lambda: 0.0, series_interval_s=1.0, lock=lock)
+    m.reset(0.0)
+    n, reads = 20_000, []
+
+    def writer() -> None:
+        for i in range(1, n + 1):
+            with lock:  # as the pool calls it
+                m.update(float(i), i, i, i)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    while thread.is_alive():
+        reads.append(m.summary(float(n + 1)).peak_demand)
+    thread.join()
+    s = m.summary(float(n + 1))
+    assert s.mean_reserved * (n + 1) == pytest.approx(n * (n + 1) / 2, rel=1e-12)  # value i over [i, i+1)
+    assert s.peak_demand == n and reads == sorted(reads)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     st.floats(0.0, 2.0),
