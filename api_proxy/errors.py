@@ -63,6 +63,11 @@ class FunctionTimeout(ProxyError, TimeoutError):
     """The invocation ran past its timeout; the proxy killed the instance."""
 
 
+class FunctionCancelled(ProxyError):
+    """The invocation's request ended without it (a sibling failed, the client went away): the proxy
+    stopped it, killing its instance as a timeout would, or took it out of the queue."""
+
+
 class ChannelClosed(ProxyError, ConnectionError):
     """The other end of a forwarding channel is gone."""
 
@@ -94,6 +99,7 @@ _REGISTRY: dict[str, type[BaseException]] = {
         FunctionFailed,
         FunctionCrashed,
         FunctionTimeout,
+        FunctionCancelled,
         ChannelClosed,
         CallFailed,
         DeviceFailed,

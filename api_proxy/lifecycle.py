@@ -22,6 +22,7 @@ from streambox.phases import COLD_START, COMPUTE, DEVICE_WAIT, OTHER, QUEUE
 
 from . import protocol, wire
 from .errors import (
+    FunctionCancelled,
     FunctionCrashed,
     FunctionFailed,
     FunctionTimeout,
@@ -227,6 +228,35 @@ class Lifecycle:
             self._dispatch(inst, action.item)
 
     # -- the end of instances ------------------------------------------------------------------
+    def abandon(self, request_id: str) -> int:
+        """The request ended (its last invocation returned, or it failed or was cancelled without the
+        rest): what of it is still here has nobody to answer. A running invocation's instance is killed,
+        as at a timeout (its handler cannot be stopped otherwise, and would hold the instance and its
+        memory until its own deadline); a queued one leaves the queue; an instance starting for one
+        serves the queue instead. Each is answered `FunctionCancelled`. Returns how many."""
+        why = "stopped: its request ended without it (another call failed, or the client went away)"
+        # The queue first: a killed instance's place goes to the queue's head (`drop_instance`).
+        abandoned = [inv for _, inv in self.scheduler.withdraw(lambda item: item.request_id == request_id)]
+        running = []
+        for inst in list(self.supervisor.instances.values()):
+            first = inst.first
+            if inst.state == "starting" and first is not None and first.request_id == request_id:
+                inst.first = None  # it serves the queue once registered
+                abandoned.append(first)
+            elif inst.state == "busy" and getattr(inst.invocation, "request_id", None) == request_id:
+                running.append(inst)
+        for inv in abandoned:
+            self._cancelled(inv, why)
+        for inst in running:
+            self.kill(inst, f"was {why}", FunctionCancelled)
+        self.stats.cancelled += len(abandoned) + len(running)
+        return len(abandoned) + len(running)
+
+    def _cancelled(self, inv: Invocation, why: str) -> None:
+        error = FunctionCancelled(f"request {inv.request_id!r} of {inv.function!r} {why}")
+        fields = {"error_type": "FunctionCancelled", "message": str(error), **self._where(inv)}
+        self.reply(inv, False, encode_error(with_fields(error, **fields)))
+
     def kill(self, inst: Instance, reason: str, error: type[ProxyError]) -> None:
         self.supervisor.kill(inst)
         self.instance_died(inst, reason, error)

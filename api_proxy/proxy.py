@@ -404,7 +404,9 @@ class ProxyServer:
 
     def end_request(self, request_id: str) -> int:
         """Drop every key of a finished request (freed once unleased); later PUTs under the request's
-        keys (an abandoned invocation still running) are refused. Returns how many keys went."""
+        keys are refused; its invocations still here are stopped (`Lifecycle.abandon`). Returns how
+        many keys went."""
+        self.lifecycle.abandon(request_id)
         prefix = f"{self.workflow}/{request_id}/"
         self._ended[prefix] = None
         while len(self._ended) > ENDED_MEMORY:

@@ -11,7 +11,8 @@ vLLM's scheduler returns its outputs for the engine to act on:
 - `prewarm(function, count, now)`: deploying -> `Start`s with no invocation (instances up before the
   first request; each goes idle when it registers);
 - `removed(...)`: an instance is gone -> `Start`s for queued invocations that can now have one;
-- `tick(now)`: `Expire`s (queued past their deadline) and `Stop`s (idle past keep-alive).
+- `tick(now)`: `Expire`s (queued past their deadline) and `Stop`s (idle past keep-alive);
+- `withdraw(abandoned)`: the queued invocations of requests that ended, taken out.
 
 Invocations and instances are opaque here; an invocation only needs a `deadline` attribute.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -113,6 +114,18 @@ class InvocationScheduler:
         while queue and pool.acquire(now).action == "start":
             starts.append(self._start(function, queue.popleft(), now))
         return starts
+
+    def withdraw(self, abandoned: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+        """Take every queued invocation for which `abandoned(item)` holds out of the queues (its
+        request ended: nobody waits for it); returns them, with their function, for the proxy to fail."""
+        out = []
+        for function, queue in self.queues.items():
+            if any(abandoned(item) for item in queue):
+                kept = [item for item in queue if not abandoned(item)]
+                out.extend((function, item) for item in queue if abandoned(item))
+                queue.clear()
+                queue.extend(kept)
+        return out
 
     def retire(self, function: str, instance: Hashable) -> None:
         """Choose idle `instance` no more: the proxy stops it (its exit's `removed` starts what waits)."""

@@ -33,6 +33,7 @@ def snapshot(server: ProxyServer) -> dict[str, Any]:
         "instances_started": s.instances_started,
         "instances_stopped": s.instances_stopped,
         "instances_died": s.instances_died,
+        "cancelled": s.cancelled,
         "idle_cpu_stops": s.idle_cpu_stops,
         "protocol_errors": s.protocol_errors,
         "calls": s.calls,

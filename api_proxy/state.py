@@ -69,6 +69,7 @@ class ProxyStats:
     instances_stopped: int = 0
     instances_died: int = 0
     idle_cpu_stops: int = 0  # instances stopped for the CPU they used while idle (`idle_cpu.py`)
+    cancelled: int = 0  # invocations stopped or unqueued because their request ended (`abandon`)
     calls: int = 0
     protocol_errors: int = 0  # instances ended for a malformed message
     cold_start_s: list[float] = field(default_factory=list)  # fork + stream + registration, recent

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from streambox.api_proxy.control import ProxyClient, ProxyProcess, launch_proxy
-from streambox.api_proxy.errors import FunctionCrashed, FunctionFailed, FunctionTimeout, UnknownFunction
+from streambox.api_proxy.errors import (
+    FunctionCancelled,
+    FunctionCrashed,
+    FunctionFailed,
+    FunctionTimeout,
+    UnknownFunction,
+)
 from streambox.api_proxy.proxy_config import ProxyConfig, ProxyFunction
 
 HANDLERS = textwrap.dedent(
@@ -450,6 +456,36 @@ def test_several_instances_of_a_function_run_at_once_on_their_own_streams(a):
         c.close()
     assert len({r["output"]["instance"] for r in results}) == 3
     assert elapsed < 2.5, f"3 x 1 s handlers took {elapsed:.2f} s: they did not run concurrently"
+
+
+def test_an_ended_request_s_invocations_are_stopped_not_left_running(a):
+    """A request that ended without some of its invocations (a sibling failed, the client went away)
+    left them running to their own deadline, holding their instances: later requests queued behind
+    them. Ending the request stops them: the running one's instance is killed, the queued one leaves
+    the queue, each answered `FunctionCancelled`."""
+    clients = [ProxyClient(a.address) for _ in range(4)]
+    before = a.client.stats()["cancelled"]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            # Three run (max_instances 3), one queues.
+            running = [pool.submit(c.invoke, "sleepy", {"s": 60.0}, "r-gone") for c in clients]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                sleepy = a.client.stats()["functions"]["sleepy"]
+                if (sleepy["busy"], sleepy["queued"]) == (3, 1):
+                    break
+                time.sleep(0.05)
+            started = time.perf_counter()
+            a.client.end_request("r-gone")
+            for future in running:
+                with pytest.raises(FunctionCancelled, match="stopped: its request ended without it"):
+                    future.result(timeout=30)
+        assert time.perf_counter() - started < 10  # not the handlers' 60 s
+        assert a.client.invoke("sleepy", {"s": 0.0}, request_id="r-next")["output"]["instance"] > 0
+        assert a.client.stats()["cancelled"] - before == 4
+    finally:
+        for c in clients:
+            c.close()
 
 
 @pytest.mark.parametrize("side", ["a", "b"])

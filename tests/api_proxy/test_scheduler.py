@@ -95,3 +95,18 @@ def test_prewarm_starts_instances_without_a_request_that_go_idle_and_take_the_fi
     assert s.submit("f", a, 2.0) == Dispatch(2, a)
     assert s.submit("f", b, 2.0) == Dispatch(1, b)
     assert s.prewarm("f", 1, 3.0) == []  # full
+
+
+def test_withdraw_takes_an_ended_request_s_queued_invocations_and_keeps_the_order_of_the_rest():
+    s = InvocationScheduler({"f": 1, "g": 1}, keep_alive_s=10.0)
+    running, a1, b1, a2, g1, g2 = Inv("run"), Inv("a1"), Inv("b1"), Inv("a2"), Inv("g1"), Inv("a3")
+    s.submit("f", running, 0.0)
+    for inv in (a1, b1, a2):
+        assert s.submit("f", inv, 0.0) is None
+    s.submit("g", g1, 0.0)
+    assert s.submit("g", g2, 0.0) is None
+    taken = s.withdraw(lambda inv: inv.name.startswith("a"))
+    assert [(f, inv.name) for f, inv in taken] == [("f", "a1"), ("f", "a2"), ("g", "a3")]
+    assert s.summary()["f"]["queued"] == 1 and s.summary()["g"]["queued"] == 0
+    assert s.finished("f", 1, 1.0) == Dispatch(1, b1)  # the rest in their order
+    assert s.withdraw(lambda inv: True) == []  # nothing queued: nothing taken
