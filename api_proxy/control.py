@@ -27,6 +27,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -107,8 +108,14 @@ def _known_key(address: str, key: bytes | None) -> bytes:
 
 
 def _exit_reason(process: subprocess.Popen[bytes]) -> str | None:
+    """Why the proxy process ended (a signal by its name), or None while it runs."""
     code = process.poll()
-    return None if code is None else f"the proxy process exited with code {code}"
+    if code is None:
+        return None
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"the proxy process was killed by {signal.Signals(-code).name}"
+    return f"the proxy process exited with code {code}"
 
 
 _TAKEN: list[bytes] = []  # the key this process was given (`take_key`), until its guard takes it
@@ -384,6 +391,11 @@ class ProxyProcess:
     @property
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    @property
+    def exit_reason(self) -> str | None:
+        """Why the process ended (`the proxy process was killed by SIGKILL`), None while it runs."""
+        return _exit_reason(self.process)
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """Shut the proxy down (its instances and template with it); returns its exit code."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from streambox.phases import COLD_START, DEVICE_WAIT, QUEUE
 from .invoker import InvocationError, InvocationResult, InvocationTimeout, RuntimeStats, deployed
 from .proxy_footprint import predicted_footprint, runtime_overhead
 from .spec import WorkflowSpec
+
+log = logging.getLogger(__name__)
 
 #: Extra time the invoker waits for the proxy's answer beyond the invocation's own timeout.
 ANSWER_MARGIN_S = 30.0
@@ -81,6 +84,7 @@ class _Deployed:
     # it (each asking would read the node's memory 100 times a second: hundreds of waiting requests
     # saturated the event loop).
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)
+    died_said: ProxyProcess | None = None  # the dead proxy whose death was logged
 
 
 @dataclass(frozen=True)
@@ -237,7 +241,7 @@ class ProxyInvoker:
         """Per warm proxy: device memory, its pool, live instances (as last reported)."""
         for name, wf in self._workflows.items():
             s = wf.stats
-            if wf.proxy is None or not s:
+            if wf.proxy is None or not wf.proxy.alive or not s:  # a dead proxy's last report is stale
                 continue
             device, pool = s["device"], s["pool"]
             yield RuntimeStats(
@@ -279,6 +283,12 @@ class ProxyInvoker:
 
     async def refresh_stats(self) -> None:
         for wf in list(self._workflows.values()):
+            if wf.proxy is not None and not wf.proxy.alive:
+                if wf.died_said is not wf.proxy:  # once: its requests failed with ProxyDied
+                    wf.died_said, name, reason = wf.proxy, wf.spec.name, wf.proxy.exit_reason
+                    log.warning("workflow %s: %s; the next request starts a new proxy", name, reason)
+                wf.stats = {}
+                continue
             if wf.client is not None:
                 with contextlib.suppress(Exception):
                     wf.stats = await wf.client.stats()
