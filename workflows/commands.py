@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -116,7 +117,7 @@ async def serve_async(
             loop = asyncio.get_running_loop()
             if threading.current_thread() is threading.main_thread():
                 for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, finished.set)
+                    loop.add_signal_handler(sig, _stopper(finished, server.shutdown_timeout_s))
             watcher = asyncio.create_task(_watch(stop, finished)) if stop is not None else None
             log.info("serving %s at %s", ", ".join(s.name for s in specs), server.url)
             if on_ready is not None:
@@ -126,6 +127,23 @@ async def serve_async(
                 watcher.cancel()
     finally:
         await engine.close()
+
+
+def _stopper(finished: asyncio.Event, grace_s: float) -> Callable[[], None]:
+    """The signal handler of `serve`: the first SIGINT/SIGTERM stops it (requests in flight get
+    `grace_s` to finish, then are cancelled and their invocations stopped); a second one exits at
+    once (the proxies, whose parent is gone, stop by themselves and clean up)."""
+
+    def on_signal() -> None:
+        if not finished.is_set():
+            log.warning("stopping: requests in flight get up to %g s to finish (again: at once)", grace_s)
+            finished.set()
+            return
+        log.warning("stopping at once")
+        logging.shutdown()
+        os._exit(130)
+
+    return on_signal
 
 
 def serve(

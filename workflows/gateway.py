@@ -64,6 +64,9 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 #: Seconds a connection may sit without a whole request (idle between requests, or its headers not
 #: ended): nginx's keep-alive default. aiohttp's own, an hour, let idle sockets pile up to the fd limit.
 DEFAULT_IDLE_TIMEOUT_S = 75.0
+#: At `stop`, how long requests in flight may still finish before they are cancelled (aiohttp's 60 s,
+#: then up to 60 s more, kept a `serve` stopping for minutes behind one hung request).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 OPEN_ROUTES = frozenset({"/healthz"})  # answered without the bearer token
 _HTTP_STATUS = {"ok": 200, "error": 500, "timeout": 504}
 
@@ -300,9 +303,11 @@ class GatewayServer:
         *,
         allow_remote: bool = False,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     ) -> None:
         check_bind(host, allow_remote)
         self.idle_timeout_s = idle_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
         if not is_loopback(host):
             log.warning(
                 "the gateway listens on %s, reachable beyond this machine%s",
@@ -328,6 +333,7 @@ class GatewayServer:
             access_log=None,
             handler_cancellation=True,
             keepalive_timeout=self.idle_timeout_s,
+            shutdown_timeout=self.shutdown_timeout_s,  # then the requests still running are cancelled
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

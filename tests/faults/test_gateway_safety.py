@@ -5,6 +5,7 @@ the admission limits (in flight, body bytes in flight) get a 503 with Retry-Afte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -354,3 +355,30 @@ def test_a_connection_without_a_whole_request_is_closed(local_invoker):
     closed_after, status = _serve(local_invoker, scenario, idle_timeout_s=0.5)
     assert all(0.3 < s < 5 for s in closed_after), closed_after
     assert status == 200
+
+
+def test_stopping_the_server_waits_a_bounded_grace_for_requests_in_flight(local_invoker):
+    """A request that hangs held `serve`'s stop for aiohttp's 60 s and up to 60 s more; now the
+    requests in flight get `shutdown_timeout_s`, then are cancelled (their invocations stopped)."""
+
+    async def go():
+        engine = Engine(local_invoker)
+        await engine.deploy(parse_spec(NAP, "spec.yaml", HERE))
+        try:
+            server = GatewayServer(Gateway(engine), shutdown_timeout_s=1.0)
+            await server.start()
+            async with aiohttp.ClientSession() as session:
+                hung = asyncio.ensure_future(
+                    session.post(f"{server.url}/workflows/nap/invoke", json={"seconds": 8})
+                )
+                await asyncio.sleep(0.5)  # it runs
+                started = time.perf_counter()
+                await server.stop()
+                stopped = time.perf_counter() - started
+                with contextlib.suppress(aiohttp.ClientError):
+                    (await hung).close()
+            return stopped
+        finally:
+            await engine.close()
+
+    assert asyncio.run(go()) < 5.0
