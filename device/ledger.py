@@ -189,6 +189,11 @@ class Ledger:
                     )
                 self.slots = nslots
                 size = _HEADER.size + nslots * _SLOT.size + BUSY_RECORDS * _BUSY.size + 2 * _FLOW_REGION
+                if current < size:  # cut short (a full disk, a copy): mmap's own error named nothing
+                    raise DeviceError(
+                        f"ledger {path} holds {current} bytes, its {nslots} slots need {size}: it was cut "
+                        "short; remove it (no process may be using this state dir) or use another state dir"
+                    )
             self._map = mmap.mmap(self._fd, size)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -264,3 +264,15 @@ def test_a_short_copy_placed_alone_holds_the_link_and_a_busy_link_refuses_it(tmp
     assert ledger.link_place_alone("h2d", 9.0, 0.5, latest=9.0) == (9.0, 9.5)
     assert ledger.link_place_alone("h2d", 9.0, 0.5, latest=9.6) == (9.5, 10.0)
     assert ledger.link_place_alone("h2d", 9.0, 0.5, latest=9.6) is None  # it would enter at 10.0
+
+
+def test_a_ledger_cut_short_is_named_with_its_remedy(tmp_path):
+    """A truncated ledger file failed with mmap's "mmap length is greater than file size", naming
+    neither the file nor what to do."""
+    from streambox.device.base import DeviceError
+
+    path = ledger_path(tmp_path, 0, "cut", 1000)
+    Ledger(path, 1000)  # made whole
+    os.truncate(path, 64)  # the header survives, the rest is gone
+    with pytest.raises(DeviceError, match=r"ledger .* holds 64 bytes, its \d+ slots need \d+: it was cut short"):
+        Ledger(path, 1000)
