@@ -274,5 +274,5 @@ def test_a_ledger_cut_short_is_named_with_its_remedy(tmp_path):
     path = ledger_path(tmp_path, 0, "cut", 1000)
     Ledger(path, 1000)  # made whole
     os.truncate(path, 64)  # the header survives, the rest is gone
-    with pytest.raises(DeviceError, match=r"ledger .* holds 64 bytes, its \d+ slots need \d+: it was cut short"):
+    with pytest.raises(DeviceError, match=r"ledger .* holds 64 bytes, its \d+ slots need \d+: it was cut"):
         Ledger(path, 1000)
