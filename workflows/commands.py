@@ -26,7 +26,7 @@ from streambox.flags import MECHANISMS, RUN, given_settings
 
 from .engine import Engine, RequestResult
 from .examples import EXAMPLES, SMALL_PARAMS, example_path
-from .gateway import Gateway, GatewayServer, check_bind
+from .gateway import Gateway, GatewayServer, check_bind, check_port_free
 from .image_input import load_event_json
 from .invoker import Invoker, StatsSource
 from .local import LocalInvoker
@@ -103,6 +103,7 @@ async def serve_async(
     """Deploy the workflows and serve them until `stop` is set or SIGINT/SIGTERM arrives.
     `gateway_options`: the gateway's limits (`Gateway`'s `max_in_flight`, `max_body_bytes_in_flight`)."""
     check_bind(host, allow_remote)  # before any deploy, which takes seconds
+    check_port_free(host, port)
     config = config or Config.from_env()
     invoker = (invoker_factory or _local_invoker)(config, system)
     if stats is None:

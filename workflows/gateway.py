@@ -36,6 +36,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -290,6 +291,20 @@ def check_bind(host: str, allow_remote: bool) -> None:
             f"binding the gateway to {host!r} exposes it beyond this machine; pass allow_remote "
             "(`streambox serve --allow-remote`), and set a bearer token (--token-file)"
         )
+
+
+def check_port_free(host: str, port: int) -> None:
+    """`OSError` naming the address if another process listens on it: checked before a deploy (seconds
+    of proxy starts), whose proxies a clash found at the bind afterwards started for nothing."""
+    if port == 0:
+        return
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise OSError(error.errno, f"cannot listen on {host}:{port}: {error.strerror}") from None
 
 
 class GatewayServer:

@@ -382,3 +382,23 @@ def test_stopping_the_server_waits_a_bounded_grace_for_requests_in_flight(local_
             await engine.close()
 
     assert asyncio.run(go()) < 5.0
+
+
+def test_a_port_in_use_is_refused_before_the_deploy(local_invoker):
+    """A second `serve` on a busy port deployed (started its proxies) for 16 s, then failed to bind."""
+    import socket
+
+    made = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            asyncio.run(
+                serve_async(
+                    [parse_spec(NAP, "nap.yaml", HERE)],
+                    port=port,
+                    invoker_factory=lambda config, system: made.append(1) or local_invoker,
+                )
+            )
+    assert made == []  # nothing deployed
