@@ -276,3 +276,36 @@ def test_a_ledger_cut_short_is_named_with_its_remedy(tmp_path):
     os.truncate(path, 64)  # the header survives, the rest is gone
     with pytest.raises(DeviceError, match=r"ledger .* holds 64 bytes, its \d+ slots need \d+: it was cut"):
         Ledger(path, 1000)
+
+
+def test_a_process_holding_the_device_lock_does_not_stall_a_usage_read(tmp_path):
+    """A stopped process (SIGSTOP, a debugger) that held the ledger's lock stalled every `usage` on the
+    machine: another workflow's proxy answering `stats` on its dispatcher, a gateway's admission on its
+    event loop. A read that waits past `USAGE_WAIT_S` reads the slots as they are."""
+    from streambox.device.ledger import USAGE_WAIT_S
+
+    path = ledger_path(tmp_path, 0, "held", 1000)
+    ledger = Ledger(path, 1000)
+    slot = ledger.acquire_slot(runtime_id=4242, initial_bytes=300)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import fcntl, os, sys, time
+            fd = os.open({str(path)!r}, os.O_RDWR)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            print("held", flush=True)
+            time.sleep(60)
+        """)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        usage = ledger.usage()
+        waited = time.monotonic() - started
+        assert usage.used_memory == 300 and usage.runtimes == 1
+        assert USAGE_WAIT_S <= waited < USAGE_WAIT_S + 1.0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ledger.usage().used_memory == 300  # the lock is free again: the usual read
+    ledger.release(slot, 4242, 300)
