@@ -406,13 +406,16 @@ class ProxyServer:
         """Drop every key of a finished request (freed once unleased); later PUTs under the request's
         keys are refused; its invocations still here are stopped (`Lifecycle.abandon`). Returns how
         many keys went."""
-        self.lifecycle.abandon(request_id)
         prefix = f"{self.workflow}/{request_id}/"
         self._ended[prefix] = None
         while len(self._ended) > ENDED_MEMORY:
             self._ended.popitem(last=False)
-        stored = self.store.keys()
-        return sum(self.store.delete(key) for key in stored if key.startswith(prefix))
+        try:
+            self.lifecycle.abandon(request_id)
+        finally:  # the keys go whatever stopping the invocations met
+            stored = self.store.keys()
+            dropped = sum(self.store.delete(key) for key in stored if key.startswith(prefix))
+        return dropped
 
     def snapshot(self) -> dict[str, Any]:
         return snapshot(self)

@@ -277,8 +277,8 @@ class Ledger:
         deadline = time.monotonic() + timeout_s
         if not self._lock.acquire(timeout=timeout_s):
             return False
-        if self._depth == 0:
-            while True:
+        try:
+            while self._depth == 0:
                 try:
                     fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
@@ -287,6 +287,9 @@ class Ledger:
                         self._lock.release()
                         return False
                     time.sleep(0.002)
+        except BaseException:  # another flock error, an interrupt: the thread lock must not stay held
+            self._lock.release()
+            raise
         self._depth += 1
         return True
 

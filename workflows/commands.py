@@ -117,8 +117,9 @@ async def serve_async(
             finished = asyncio.Event()
             loop = asyncio.get_running_loop()
             if threading.current_thread() is threading.main_thread():
+                stopper = _stopper(finished, server.shutdown_timeout_s)
                 for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, _stopper(finished, server.shutdown_timeout_s))
+                    loop.add_signal_handler(sig, stopper, sig)
             watcher = asyncio.create_task(_watch(stop, finished)) if stop is not None else None
             log.info("serving %s at %s", ", ".join(s.name for s in specs), server.url)
             if on_ready is not None:
@@ -130,19 +131,22 @@ async def serve_async(
         await engine.close()
 
 
-def _stopper(finished: asyncio.Event, grace_s: float) -> Callable[[], None]:
-    """The signal handler of `serve`: the first SIGINT/SIGTERM stops it (requests in flight get
-    `grace_s` to finish, then are cancelled and their invocations stopped); a second one exits at
-    once (the proxies, whose parent is gone, stop by themselves and clean up)."""
+def _stopper(finished: asyncio.Event, grace_s: float) -> Callable[[int], None]:
+    """The SIGINT/SIGTERM handler of `serve` (called with the signal): the first stops it (requests in
+    flight get `grace_s` to finish, then are cancelled and their invocations stopped); a second one
+    exits at once (the proxies, whose parent is gone, stop by themselves and clean up)."""
+    received = 0
 
-    def on_signal() -> None:
-        if not finished.is_set():
+    def on_signal(signum: int) -> None:
+        nonlocal received
+        received += 1
+        if received == 1:
             log.warning("stopping: requests in flight get up to %g s to finish (again: at once)", grace_s)
             finished.set()
             return
         log.warning("stopping at once")
         logging.shutdown()
-        os._exit(130)
+        os._exit(128 + signum)
 
     return on_signal
 

@@ -33,6 +33,7 @@ it does (louder without a token). Errors are JSON, each with its own status.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import ipaddress
 import logging
@@ -295,16 +296,23 @@ def check_bind(host: str, allow_remote: bool) -> None:
 
 def check_port_free(host: str, port: int) -> None:
     """`OSError` naming the address if another process listens on it: checked before a deploy (seconds
-    of proxy starts), whose proxies a clash found at the bind afterwards started for nothing."""
+    of proxy starts), whose proxies a clash found at the bind afterwards started for nothing. Every
+    address of `host` is probed as asyncio binds it (IPv6 only on IPv6 sockets, reusable addresses;
+    an address family the machine lacks is skipped)."""
     if port == 0:
         return
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
-        try:
-            probe.bind(address)
-        except OSError as error:
-            raise OSError(error.errno, f"cannot listen on {host}:{port}: {error.strerror}") from None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRNOTAVAIL:
+                    continue
+                shown = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
+                raise OSError(error.errno, f"cannot listen on {shown}:{port}: {error.strerror}") from None
 
 
 class GatewayServer:

@@ -284,9 +284,7 @@ class ProxyInvoker:
     async def refresh_stats(self) -> None:
         for wf in list(self._workflows.values()):
             if wf.proxy is not None and not wf.proxy.alive:
-                if wf.died_said is not wf.proxy:  # once: its requests failed with ProxyDied
-                    wf.died_said, name, reason = wf.proxy, wf.spec.name, wf.proxy.exit_reason
-                    log.warning("workflow %s: %s; the next request starts a new proxy", name, reason)
+                self._note_death(wf, "the next request starts a new proxy")
                 wf.stats = {}
                 continue
             if wf.client is not None:
@@ -296,6 +294,13 @@ class ProxyInvoker:
                     measured = int(wf.stats["device"]["runtime_bytes"])
                     name = wf.spec.name
                     self._footprints[name] = max(self._predicted.get(name, 0), measured)
+
+    @staticmethod
+    def _note_death(wf: _Deployed, then: str) -> None:
+        """Log, once, that the workflow's proxy died (its requests in flight failed with ProxyDied)."""
+        if wf.proxy is not None and wf.died_said is not wf.proxy:
+            wf.died_said = wf.proxy
+            log.warning("workflow %s: %s; %s", wf.spec.name, wf.proxy.exit_reason, then)
 
     # -- proxies ---------------------------------------------------------------------------------
     async def _ensure_proxy(self, wf: _Deployed, new_request: bool = False) -> bool:
@@ -310,6 +315,7 @@ class ProxyInvoker:
                 await asyncio.sleep(0.01)
                 continue
             if wf.starting is None and wf.proxy is not None:  # it died: forget it, start a new one
+                self._note_death(wf, "starting a new proxy")
                 await self._stop(wf)
             if wf.starting is not None:
                 await asyncio.shield(wf.starting)

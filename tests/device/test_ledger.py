@@ -309,3 +309,35 @@ def test_a_process_holding_the_device_lock_does_not_stall_a_usage_read(tmp_path)
         holder.wait()
     assert ledger.usage().used_memory == 300  # the lock is free again: the usual read
     ledger.release(slot, 4242, 300)
+
+
+def test_a_failed_usage_lock_leaves_no_thread_lock_held(tmp_path, monkeypatch):
+    """`usage`'s timed lock took the process's thread lock, and an error of `flock` other than "would
+    block" left it held: every later device call of the process would have waited for ever."""
+    import fcntl
+    import threading
+
+    ledger = Ledger(ledger_path(tmp_path, 0, "err", 1000), 1000)
+    real = fcntl.flock
+
+    def failing(fd, op):
+        if op & fcntl.LOCK_NB:
+            raise OSError(37, "No locks available")
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", failing)
+    with pytest.raises(OSError, match="No locks available"):
+        ledger.usage()
+    monkeypatch.setattr(fcntl, "flock", real)
+    got: list[bool] = []
+
+    def take_and_give_back() -> None:
+        got.append(ledger._lock.acquire(timeout=2))
+        if got[-1]:
+            ledger._lock.release()
+
+    other = threading.Thread(target=take_and_give_back)
+    other.start()
+    other.join()
+    assert got == [True]
+    assert ledger.usage().used_memory == 0  # and the usual read works

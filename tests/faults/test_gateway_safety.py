@@ -402,3 +402,20 @@ def test_a_port_in_use_is_refused_before_the_deploy(local_invoker):
                 )
             )
     assert made == []  # nothing deployed
+
+
+def test_the_port_probe_binds_as_asyncio_does():
+    """The probe of `--host ::` was dual-stack where asyncio's bind is IPv6 only: an IPv4 listener on
+    the port refused a bind that would have worked."""
+    import socket
+
+    from streambox.workflows.gateway import check_port_free
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        check_port_free("::", port)  # no IPv6 here: skipped; else IPv6 only, beside the IPv4 listener
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", 0)
