@@ -277,6 +277,7 @@ class Ledger:
         deadline = time.monotonic() + timeout_s
         if not self._lock.acquire(timeout=timeout_s):
             return False
+        pause = 20e-6  # holds are microseconds (a placement): look again soon, then back off
         try:
             while self._depth == 0:
                 try:
@@ -286,7 +287,8 @@ class Ledger:
                     if time.monotonic() >= deadline:
                         self._lock.release()
                         return False
-                    time.sleep(0.002)
+                    time.sleep(pause)
+                    pause = min(2 * pause, 2e-3)
         except BaseException:  # another flock error, an interrupt: the thread lock must not stay held
             self._lock.release()
             raise
