@@ -57,8 +57,6 @@ _BUSY = struct.Struct("<ddqq")  # start, end, slot + 1, MPS client (1) or not (0
 _FLOW_HEAD = struct.Struct("<dq")  # per link direction: time of the state, last flow id -> 16 bytes
 _FLOW = struct.Struct("<qdqd")  # flow id (0: free), link seconds left, owner pid, end (0: active)
 DEFAULT_SLOTS = 512
-#: How long `usage` waits for the device lock before it reads the slots as they are (see `usage`).
-USAGE_WAIT_S = 0.5
 BUSY_RECORDS = 1024
 FLOWS = 128  # copies in flight per link direction, all processes together
 LIVENESS_TTL_S = 0.5  # how long a link flow's owner, once seen alive, is taken to be alive
@@ -228,8 +226,8 @@ class Ledger:
     def _clear(self, slot: int) -> None:
         self._write(slot, 0, 0, 0, 0, 0)
 
-    def _scan(self, reclaim: bool = True) -> LedgerUsage:
-        """Reclaim dead slots (`reclaim`: the caller holds the lock) and sum the live ones."""
+    def _scan(self) -> LedgerUsage:
+        """Reclaim dead slots and sum the live ones. Caller holds the lock."""
         used = streams = runtimes = 0
         me = os.getpid()
         high = min(self.slots, _HIGH_WATER.unpack_from(self._map, _HIGH_WATER_OFFSET)[0])
@@ -243,12 +241,10 @@ class Ledger:
                 continue
             if pid == me:
                 if self._owned.get(slot) != rid:  # left by a forked parent or a previous life
-                    if reclaim:
-                        self._clear(slot)
+                    self._clear(slot)
                     continue
             elif not process_alive(pid, start):
-                if reclaim:
-                    self._clear(slot)
+                self._clear(slot)
                 continue
             used += nbytes
             streams += nstreams
@@ -261,39 +257,8 @@ class Ledger:
 
     # -- public API -------------------------------------------------------------------------
     def usage(self) -> LedgerUsage:
-        """The device's use now. A holder that keeps the device lock past `USAGE_WAIT_S` (a stopped
-        process: SIGSTOP, a debugger) does not stall the reader (a proxy's `stats` on its dispatcher,
-        a gateway's admission on its event loop, in other workflows): it reads the slots as they are,
-        reclaiming nothing."""
-        if not self._try_lock(USAGE_WAIT_S):
-            return self._scan(reclaim=False)
-        try:
+        with self._locked():
             return self._scan()
-        finally:
-            self._device_lock.__exit__()
-
-    def _try_lock(self, timeout_s: float) -> bool:
-        """`_locked()`'s acquisition, given up (False) after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        if not self._lock.acquire(timeout=timeout_s):
-            return False
-        pause = 20e-6  # holds are microseconds (a placement): look again soon, then back off
-        try:
-            while self._depth == 0:
-                try:
-                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        self._lock.release()
-                        return False
-                    time.sleep(pause)
-                    pause = min(2 * pause, 2e-3)
-        except BaseException:  # another flock error, an interrupt: the thread lock must not stay held
-            self._lock.release()
-            raise
-        self._depth += 1
-        return True
 
     def acquire_slot(self, runtime_id: int, initial_bytes: int) -> int:
         """Register a runtime holding `initial_bytes` (its context); returns its slot."""
