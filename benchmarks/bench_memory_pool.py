@@ -245,8 +245,8 @@ def run_config(
     # The same window for every configuration: arrivals, then a fixed tail (longer if a run overran).
     end = max(start + args.duration, time.perf_counter()) + TAIL_S
     time.sleep(max(0.0, end - time.perf_counter()))
-    summary = pm.pool.metrics_summary(end)
-    assert summary is not None  # the bench's pools keep metrics
+    assert pm.pool.metrics is not None  # the bench's pools keep metrics
+    summary = pm.pool.metrics.summary(end)
     stats = pm.pool.stats()
     threads_cpu = sum(t.cpu_seconds() for t in pm.threads())
     out.summary = {
@@ -268,7 +268,7 @@ def run_config(
         "t_interval_s": pm.timing.t_interval_s if pm.timing else None,
         "scaler_period_s": pm.timing.period_s if pm.timing else None,
         "pool_threads_cpu_share": threads_cpu / summary.duration_s,
-        "series": downsample(pm.pool.metrics_series(), 2000),
+        "series": downsample(pm.pool.metrics.series(), 2000),
     }
     pm.close()
     rt.close()

@@ -66,7 +66,7 @@ from streambox.device.base import (
     Stream,
 )
 
-from .metrics import MetricsSummary, PoolMetrics, Sample
+from .metrics import PoolMetrics
 from .suballocator import SubAllocator, SubAllocatorStats
 
 __all__ = [
@@ -888,21 +888,6 @@ class DeviceMemoryPool:
         if self.metrics is not None:
             with self._lock:
                 self.metrics.reset(now)
-
-    def metrics_summary(self, now: float | None = None) -> MetricsSummary | None:
-        """The metrics window's summary until `now` (None without metrics), read under the pool's lock:
-        the metrics integrate their queued changes when read."""
-        if self.metrics is None:
-            return None
-        with self._lock:
-            return self.metrics.summary(now)
-
-    def metrics_series(self) -> list[Sample]:
-        """The metrics' time series (empty without metrics), read under the pool's lock."""
-        if self.metrics is None:
-            return []
-        with self._lock:
-            return self.metrics.series()
 
     def stats(self) -> PoolStats:
         with self._lock:
