@@ -3,7 +3,10 @@ imported, and each answers in under half a second, measured in a fresh interpret
 
 The time is the interpreter's CPU time (user + system, from `wait4`): on an idle machine that is its
 wall time (one thread, nothing to wait for), and unlike wall time it does not grow with the load that
-other processes put on a shared CI machine."""
+other processes put on a shared CI machine. It does grow with a slower CPU: this project's 2-core
+host answered in 0.33-0.62 s within one hour. So the bound is half a second on a host where a fresh
+interpreter imports `pydantic_settings` (the settings tree's, and --help's, heaviest import) in
+`REFERENCE_S`, scaled by what that import costs here, measured beside each command."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from streambox.cli import COMMANDS, build_parser
 # numpy too: importing it starts its BLAS threads, a tenth of a second of CPU that --help does not need.
 HEAVY = ("torch", "torchvision", "aiohttp", "zmq", "numpy")
 LIMIT_S = 0.5
+REFERENCE_S = 0.25  # CPU of `import pydantic_settings` in a fresh interpreter where LIMIT_S was set
 # Runs `main([..., "--help"])` and reports which heavy modules it loaded.
 PROBE = f"""
 import json, sys
@@ -52,11 +56,25 @@ def _help(*command: str) -> tuple[float, float, list[str], str]:
 def test_help_imports_no_torch_and_answers_in_half_a_second(command: str) -> None:
     argv = [command] if command else []
     # Best of three: the machine's other load is not the command's cost.
-    runs = [_help(*argv) for _ in range(3)]
+    runs, references = [], []
+    for _ in range(3):  # by turns: the same host speed for both
+        runs.append(_help(*argv))
+        references.append(_import_cpu("pydantic_settings"))
     cpu, wall, heavy, printed = min(runs)
+    limit = LIMIT_S * max(1.0, min(references) / REFERENCE_S)
     assert heavy == [], f"streambox {command} --help imported {heavy}"
     assert "usage: streambox" in printed
-    assert cpu < LIMIT_S, f"streambox {command} --help took {cpu:.3f} s of CPU ({wall:.3f} s wall), best of 3"
+    assert cpu < limit, (
+        f"streambox {command} --help took {cpu:.3f} s of CPU ({wall:.3f} s wall), best of 3; at most "
+        f"{limit:.3f} s here (importing pydantic_settings took {min(references):.3f} s)"
+    )
+
+
+def _import_cpu(module: str) -> float:
+    """CPU seconds of a fresh interpreter importing `module`."""
+    child = subprocess.Popen([sys.executable, "-c", f"import {module}"], env=os.environ.copy())
+    _, _, usage = os.wait4(child.pid, 0)
+    return usage.ru_utime + usage.ru_stime
 
 
 def test_the_full_parser_has_every_commands_flags() -> None:
