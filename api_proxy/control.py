@@ -53,7 +53,7 @@ LAUNCH_PROXY = (  # take_key first: a short window. A Ctrl-C while importing end
     "import sys\n"
     "try:\n"
     "    from streambox.api_proxy.control import take_key; take_key()\n"
-    "    from streambox.api_proxy.proxy import main\n"
+    "    from streambox.api_proxy.proxy_launch import main\n"
     "except KeyboardInterrupt:\n"
     "    sys.exit(130)\n"
     "sys.exit(main())\n"

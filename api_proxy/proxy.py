@@ -93,8 +93,9 @@ def _now() -> float:
 class ProxyServer:
     """One workflow's proxy (see the module doc). `start()`, then `serve_forever()`, then `close()`."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, supervisor: Supervisor | None = None) -> None:
         self.config = config
+        self.supervisor = supervisor  # its template already spawned (`proxy_launch`), or by `start`
         self.workflow = config.workflow
         self.functions = {f.name: f for f in config.functions}
         self.stats = ProxyStats()
@@ -112,9 +113,11 @@ class ProxyServer:
     def start(self) -> ProxyServer:
         cfg = self.config
         started = _now()
-        self.dir = Path(cfg.directory) if cfg.directory else private_dir(f"sbx-{cfg.workflow[:16]}-")
-        self.supervisor = Supervisor(cfg, self.dir)
-        self.supervisor.spawn_template()  # before this process has any thread: a clean spawn
+        if self.supervisor is None:
+            directory = Path(cfg.directory) if cfg.directory else private_dir(f"sbx-{cfg.workflow[:16]}-")
+            self.supervisor = Supervisor(cfg, directory)
+            self.supervisor.spawn_template()  # before this process has any thread: a clean spawn
+        self.dir = self.supervisor.dir
         self._open_device()
         self.transport = make_server(
             cfg.channel, self.dir, capacity=cfg.ring_bytes, spin_s=cfg.spin_us * 1e-6
@@ -449,18 +452,18 @@ class ProxyServer:
         return min(due)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one proxy: `argv[0]` is its `ProxyConfig` as JSON. Exits when told to shut down, on
-    SIGTERM, or when the process that started it dies."""
+def main(argv: list[str] | None = None, supervisor: Supervisor | None = None) -> int:
+    """Run one proxy: `argv[0]` is its `ProxyConfig` as JSON (or `supervisor`'s, its template already
+    spawned). Exits when told to shut down, on SIGTERM, or when the process that started it dies."""
     args = sys.argv[1:] if argv is None else argv
-    config = ProxyConfig.from_json(args[0])
+    config = supervisor.config if supervisor is not None else ProxyConfig.from_json(args[0])
     if config.switch_interval_us is not None:
         sys.setswitchinterval(config.switch_interval_us * 1e-6)
     # Not PR_SET_PDEATHSIG: it fires when the launching *thread* ends (launchers use thread pools).
     # The dispatcher's timers watch the parent process instead and shut down when it is gone.
     PAUSES.install()
     try:
-        server = ProxyServer(config)
+        server = ProxyServer(config, supervisor)
     except KeyboardInterrupt:  # Ctrl-C at the terminal: the command that started it reports it
         return 130
 

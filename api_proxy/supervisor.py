@@ -18,15 +18,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from .errors import ProxyError
 from .proxy_config import ProxyConfig
 from .shm_ring import wait_readable
-from .state import Instance
 from .template import EXITED, FAILED, FORKED, LAUNCH, READY, SPARE, write_frame
+
+if TYPE_CHECKING:  # `state` imports torch; the proxy's launcher spawns the template before that
+    from .state import Instance
 
 
 def describe_status(status: int) -> str:

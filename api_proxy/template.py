@@ -53,8 +53,6 @@ from typing import Any
 
 import msgpack
 
-from streambox.device.procfs import stat_fields
-
 from .instance_output import OutputForwarder, adopt_pipes, label_line
 
 FORKED = "forked"
@@ -128,6 +126,10 @@ def become_subreaper() -> bool:
 
 def child_pids(parent: int) -> list[int]:
     """The pids whose parent is `parent`, read from /proc (orphans adopted by a subreaper included)."""
+    # Imported here: the supervisor imports this module in the proxy's launcher, which must not wait
+    # for torch (`streambox.device`) before it spawns the template (`proxy_launch`).
+    from streambox.device.procfs import stat_fields
+
     pids = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():

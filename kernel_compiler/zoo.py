@@ -27,12 +27,13 @@ whose inference fast path fuses the whole layer into one op that has no ``.out``
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torchvision
 from torch import nn
 
 SEED = 0
@@ -144,7 +145,7 @@ class SSDLiteTensorPart(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        det = torchvision.models.detection.ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None)
+        det = _ssdlite320()
         self.backbone = det.backbone
         self.head = det.head
 
@@ -156,15 +157,25 @@ class SSDLiteTensorPart(nn.Module):
 
 def build_ssdlite_postprocess() -> tuple[nn.Module, object]:
     """The CPU-side pieces of SSDlite320 that the handler needs: (anchor generator, box coder)."""
-    det = torchvision.models.detection.ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None)
+    det = _ssdlite320()
     return det.anchor_generator, det.box_coder
 
 
 # --- the zoo ---------------------------------------------------------------------------------------
 
 
-def _tv(fn: Callable[..., nn.Module]) -> Callable[[], nn.Module]:
-    return lambda: fn(weights=None)
+def _torchvision(module: str) -> Any:
+    """`torchvision.<module>`, imported when a model is built: importing torchvision costs seconds of
+    CPU (it imports torch._dynamo), which a process that only loads lowered plans (the proxy) skips."""
+    return importlib.import_module(f"torchvision.{module}")
+
+
+def _ssdlite320() -> nn.Module:
+    return _torchvision("models.detection").ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None)
+
+
+def _tv(name: str) -> Callable[[], nn.Module]:
+    return lambda: getattr(_torchvision("models"), name)(weights=None)
 
 
 ZOO: dict[str, ModelEntry] = {
@@ -181,7 +192,7 @@ ZOO: dict[str, ModelEntry] = {
         ),
         ModelEntry(
             "resnet18",
-            _tv(torchvision.models.resnet18),
+            _tv("resnet18"),
             (3, 224, 224),
             torch.float32,
             "face recognition: ResNet-18",
@@ -190,7 +201,7 @@ ZOO: dict[str, ModelEntry] = {
         ),
         ModelEntry(
             "resnet50",
-            _tv(torchvision.models.resnet50),
+            _tv("resnet50"),
             (3, 224, 224),
             torch.float32,
             "face recognition: ResNet-50",
@@ -199,7 +210,7 @@ ZOO: dict[str, ModelEntry] = {
         ),
         ModelEntry(
             "vgg16",
-            _tv(torchvision.models.vgg16),
+            _tv("vgg16"),
             (3, 224, 224),
             torch.float32,
             "car recognition: VGG-16 (138M parameters, 528 MB of fp32 weights)",
@@ -228,7 +239,7 @@ ZOO: dict[str, ModelEntry] = {
         ),
         ModelEntry(
             "alexnet",
-            _tv(torchvision.models.alexnet),
+            _tv("alexnet"),
             (3, 224, 224),
             torch.float32,
             "image classification: AlexNet",
@@ -237,7 +248,7 @@ ZOO: dict[str, ModelEntry] = {
         ),
         ModelEntry(
             "mobilenet_v3_small",
-            _tv(torchvision.models.mobilenet_v3_small),
+            _tv("mobilenet_v3_small"),
             (3, 224, 224),
             torch.float32,
             "image classification: MobileNetV3-Small",
