@@ -188,8 +188,9 @@ class Lifecycle:
     def _where(inv: Invocation) -> dict[str, Any]:
         return {"function": inv.function, "request_id": inv.request_id}
 
-    def reply(self, inv: Invocation, ok: bool, value: Any) -> None:
-        if not ok:
+    def reply(self, inv: Invocation, ok: bool, value: Any, *, failure: bool = True) -> None:
+        """`failure=False`: an error that is not the function's (its request ended: `abandon`)."""
+        if not ok and failure:
             self.stats.failures += 1
         now = _now()
         if ok:
@@ -257,7 +258,7 @@ class Lifecycle:
     def _cancelled(self, inv: Invocation, why: str) -> None:
         error = FunctionCancelled(f"request {inv.request_id!r} of {inv.function!r} {why}")
         fields = {"error_type": "FunctionCancelled", "message": str(error), **self._where(inv)}
-        self.reply(inv, False, encode_error(with_fields(error, **fields)))
+        self.reply(inv, False, encode_error(with_fields(error, **fields)), failure=False)
 
     def kill(self, inst: Instance, reason: str, error: type[ProxyError]) -> None:
         self.supervisor.kill(inst)
@@ -266,7 +267,10 @@ class Lifecycle:
     def instance_died(self, inst: Instance, reason: str, error: type[ProxyError]) -> None:
         if inst.state == "dead":
             return
-        self.stats.instances_died += inst.state != "stopping"
+        # An instance killed because its request ended was stopped, not lost to a fault.
+        cancelled = error is FunctionCancelled
+        self.stats.instances_stopped += cancelled
+        self.stats.instances_died += inst.state != "stopping" and not cancelled
         # Its uploads may still be copying into its buffers: those must end before the buffers go.
         uploads_over = self._end_uploads(inst)
         for inv in (inst.invocation, inst.first):
@@ -275,7 +279,8 @@ class Lifecycle:
                 who = f"instance {inst.id} of function {inst.spec.name!r}"
                 why = error(f"{who} {reason} during request {inv.request_id!r}")
                 fields = {"error_type": error.__name__, "message": str(why), "instance": inst.id}
-                self.reply(inv, False, encode_error(with_fields(why, **fields, **self._where(inv))))
+                error_reply = encode_error(with_fields(why, **fields, **self._where(inv)))
+                self.reply(inv, False, error_reply, failure=not cancelled)
         self.drop_instance(inst)
 
     def drop_instance(self, inst: Instance) -> None:

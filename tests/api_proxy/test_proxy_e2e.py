@@ -464,7 +464,7 @@ def test_an_ended_request_s_invocations_are_stopped_not_left_running(a):
     them. Ending the request stops them: the running one's instance is killed, the queued one leaves
     the queue, each answered `FunctionCancelled`."""
     clients = [ProxyClient(a.address) for _ in range(4)]
-    before = a.client.stats()["cancelled"]
+    before = a.client.stats()
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             # Three run (max_instances 3), one queues.
@@ -482,7 +482,12 @@ def test_an_ended_request_s_invocations_are_stopped_not_left_running(a):
                     future.result(timeout=30)
         assert time.perf_counter() - started < 10  # not the handlers' 60 s
         assert a.client.invoke("sleepy", {"s": 0.0}, request_id="r-next")["output"]["instance"] > 0
-        assert a.client.stats()["cancelled"] - before == 4
+        after = a.client.stats()
+        assert after["cancelled"] - before["cancelled"] == 4
+        # Cancelled: neither the function's failures nor instances lost to a fault; the three killed
+        # instances count as stopped.
+        assert (after["failures"], after["instances_died"]) == (before["failures"], before["instances_died"])
+        assert after["instances_stopped"] - before["instances_stopped"] == 3
     finally:
         for c in clients:
             c.close()
