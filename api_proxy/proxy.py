@@ -67,6 +67,7 @@ from .node_gpus import Neighbours, neighbour_indices, start_opening
 from .ops import OPS, CallContext
 from .profiling import device_profile
 from .proxy_config import ProxyConfig
+from .proxy_launch import start_failed
 from .proxy_memory import ProxyMemory, ReclaimingAllocator
 from .resources import Resources
 from .shm_ring import private_dir
@@ -465,6 +466,8 @@ def main(argv: list[str] | None = None, supervisor: Supervisor | None = None) ->
     try:
         server = ProxyServer(config, supervisor)
     except KeyboardInterrupt:  # Ctrl-C at the terminal: the command that started it reports it
+        with contextlib.suppress(Exception):
+            supervisor.template.kill()  # type: ignore[union-attr]
         return 130
 
     def stop(signum: int, frame: Any) -> None:
@@ -480,14 +483,9 @@ def main(argv: list[str] | None = None, supervisor: Supervisor | None = None) ->
             with contextlib.suppress(Exception):
                 server.supervisor.template.kill()
             return 130
-        message = f"{type(exc).__name__}: {exc}"
-        print(f"streambox proxy {config.workflow!r}: could not start: {message}", file=sys.stderr, flush=True)
-        if config.directory:
-            with contextlib.suppress(OSError):
-                (Path(config.directory) / "start_error.txt").write_text(message)
         with contextlib.suppress(Exception):
             server.supervisor.template.kill()
-        return 2
+        return start_failed(config, exc)
     # Everything set up so far lives as long as the proxy: out of every later collection, so that a
     # full one stops the proxy for milliseconds, not the ~0.2 s of walking torch's objects.
     if freeze:

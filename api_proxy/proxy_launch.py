@@ -8,12 +8,25 @@ the proxy's on another core. The proxy then serves after the longer of the two, 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
+from .control import START_ERROR_FILE
 from .proxy_config import ProxyConfig
 from .shm_ring import private_dir
 from .supervisor import Supervisor
+
+
+def start_failed(config: ProxyConfig, error: BaseException) -> int:
+    """Say why the proxy could not start, on stderr and in its folder's start-error file (which
+    `launch_proxy` reports); returns the exit status, 2."""
+    message = f"{type(error).__name__}: {error}"
+    print(f"streambox proxy {config.workflow!r}: could not start: {message}", file=sys.stderr, flush=True)
+    if config.directory:
+        with contextlib.suppress(OSError):
+            (Path(config.directory) / START_ERROR_FILE).write_text(message)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,10 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     config = ProxyConfig.from_json(args[0])
     directory = Path(config.directory) if config.directory else private_dir(f"sbx-{config.workflow[:16]}-")
     supervisor = Supervisor(config, directory)
-    supervisor.spawn_template()  # before this process has any thread: a clean spawn
     try:
+        supervisor.spawn_template()  # before this process has any thread: a clean spawn
         from .proxy import main as serve  # the heavy imports, while the template does its own
-    except BaseException:  # Ctrl-C or a broken install: the template must not outlive the proxy
-        supervisor.template.kill()
-        raise
+    except BaseException as error:  # the template must not outlive a proxy that never started
+        with contextlib.suppress(Exception):
+            supervisor.template.kill()
+            supervisor.template.wait(5.0)
+        if isinstance(error, KeyboardInterrupt):  # Ctrl-C at the terminal: its command reports it
+            return 130
+        if not isinstance(error, Exception):
+            raise
+        return start_failed(config, error)
     return serve(args, supervisor)

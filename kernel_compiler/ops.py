@@ -18,6 +18,7 @@ import torch
 from . import argcodec
 from .argcodec import DeviceArg, VarRef
 from .native_out import native_call
+from .op_libraries import import_op_libraries
 from .plan import Kernel
 
 #: Outputs whose shape depends on the device's kernel, by the op they were lowered from: output index ->
@@ -34,6 +35,7 @@ DEVICE_SIZED_OUTPUTS: dict[str, dict[int, int]] = {
 def resolve_op(name: str) -> torch._ops.OpOverload:
     """``"aten.convolution.out"`` -> ``torch.ops.aten.convolution.out`` (cached per name)."""
     ns, packet, overload = name.split(".")
+    import_op_libraries(ns)  # torchvision's ops exist once it is imported
     return getattr(getattr(getattr(torch.ops, ns), packet), overload)
 
 

@@ -52,6 +52,7 @@ from .model_import import (
     load_weights,
     lower_for,
 )
+from .op_libraries import import_op_libraries
 from .plan import PLAN_FILE, KernelPlan, share_weights
 from .zoo import ZOO, ModelEntry
 
@@ -269,6 +270,7 @@ def load_module(root: Path, record: ModelRecord) -> nn.Module:
     """The eager module of a registered version, from the copy the pool keeps."""
     model_dir = root / record.ref
     if record.source_kind == "pt2":
+        import_op_libraries()  # the program may name torchvision's ops
         return torch.export.load(model_dir / SOURCE_PT2).module()
     module, _ = call_factory(record.source)
     try:
@@ -364,6 +366,7 @@ def _from_pt2(pt2: Path | str, batches: list[int], input_shape: Sequence[int] | 
     file = str(Path(pt2).resolve())
     if not Path(pt2).is_file():
         raise ModelRegistrationError(file, "no such file")
+    import_op_libraries()  # the program may name torchvision's ops
     with _export_log_held() as held:
         try:
             program = torch.export.load(pt2)

@@ -27,7 +27,6 @@ whose inference fast path fuses the whole layer into one op that has no ``.out``
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .op_libraries import import_library
 
 SEED = 0
 
@@ -165,9 +166,9 @@ def build_ssdlite_postprocess() -> tuple[nn.Module, object]:
 
 
 def _torchvision(module: str) -> Any:
-    """`torchvision.<module>`, imported when a model is built: importing torchvision costs seconds of
-    CPU (it imports torch._dynamo), which a process that only loads lowered plans (the proxy) skips."""
-    return importlib.import_module(f"torchvision.{module}")
+    """`torchvision.<module>`, imported when a model is built: a process that only loads lowered plans
+    (the proxy) never pays for it (`op_libraries`)."""
+    return import_library(f"torchvision.{module}")
 
 
 def _ssdlite320() -> nn.Module:
