@@ -37,7 +37,6 @@ import sys
 import time
 from collections import OrderedDict
 from functools import partial
-from pathlib import Path
 from types import GeneratorType
 from typing import Any
 
@@ -67,10 +66,9 @@ from .node_gpus import Neighbours, neighbour_indices, start_opening
 from .ops import OPS, CallContext
 from .profiling import device_profile
 from .proxy_config import ProxyConfig
-from .proxy_launch import start_failed
+from .proxy_launch import proxy_directory, start_failed
 from .proxy_memory import ProxyMemory, ReclaimingAllocator
 from .resources import Resources
-from .shm_ring import private_dir
 from .snapshot import snapshot
 from .state import Instance, ProxyStats
 from .supervisor import Supervisor, describe_status
@@ -115,8 +113,7 @@ class ProxyServer:
         cfg = self.config
         started = _now()
         if self.supervisor is None:
-            directory = Path(cfg.directory) if cfg.directory else private_dir(f"sbx-{cfg.workflow[:16]}-")
-            self.supervisor = Supervisor(cfg, directory)
+            self.supervisor = Supervisor(cfg, proxy_directory(cfg))
             self.supervisor.spawn_template()  # before this process has any thread: a clean spawn
         self.dir = self.supervisor.dir
         self._open_device()

@@ -29,12 +29,16 @@ def start_failed(config: ProxyConfig, error: BaseException) -> int:
     return 2
 
 
+def proxy_directory(config: ProxyConfig) -> Path:
+    """The proxy's private folder: the configured one, else a new one."""
+    return Path(config.directory) if config.directory else private_dir(f"sbx-{config.workflow[:16]}-")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`proxy.main` for `argv[0]`, a `ProxyConfig` as JSON, with its template spawned first."""
     args = sys.argv[1:] if argv is None else argv
     config = ProxyConfig.from_json(args[0])
-    directory = Path(config.directory) if config.directory else private_dir(f"sbx-{config.workflow[:16]}-")
-    supervisor = Supervisor(config, directory)
+    supervisor = Supervisor(config, proxy_directory(config))
     try:
         supervisor.spawn_template()  # before this process has any thread: a clean spawn
         from .proxy import main as serve  # the heavy imports, while the template does its own
