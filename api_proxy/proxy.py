@@ -51,6 +51,7 @@ from streambox.config import Config, ineffective_settings
 from streambox.gc_pauses import PAUSES, freeze_startup_heap, freezing
 from streambox.io_daemon import IODaemon
 from streambox.kernel_compiler.model_pool import ModelPool
+from streambox.kernel_compiler.parallel_lowering import lower_missing
 from streambox.memory_pool.idle import PoolIdleMemory
 from streambox.phases import op_phase
 
@@ -150,11 +151,13 @@ class ProxyServer:
         )
         self.lifecycle = Lifecycle(self, self.stats)
         t = _now()
-        for spec in cfg.functions:
-            for model in spec.models:  # deploying: every model's weights and offline profile at hand
-                self.memory.ensure_profile(self.resources.load(model, spec.batch_size))
-                for size in batch_sizes(spec):  # the plans its batched infers reach
-                    self.memory.ensure_profile(self.resources.load(model, size))
+        # Deploying: every model's plans (the batches its batched infers reach too), weights and
+        # offline profile at hand; the plans the model pool lacks lowered on several cores first.
+        plans = [(model, size) for spec in cfg.functions for model in spec.models
+                 for size in (spec.batch_size, *batch_sizes(spec))]
+        lower_missing(self.model_pool, [self.resources.plan_key(m, size) for m, size in plans])
+        for model, size in plans:
+            self.memory.ensure_profile(self.resources.load(model, size))
         self.resources.service.synchronize()
         self.timings["models_s"] = _now() - t
         self._open_control()

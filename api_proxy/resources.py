@@ -27,7 +27,7 @@ from streambox.comm.store_protocol import Store
 from streambox.device import Event, Runtime, Stream
 from streambox.device.base import contiguous_strides
 from streambox.io_daemon import CopyRequest, IODaemon
-from streambox.kernel_compiler.model_pool import ModelPool
+from streambox.kernel_compiler.model_pool import ModelPool, PlanKey
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.phases import COMM, MODEL_LOAD
 
@@ -44,7 +44,6 @@ from .proxy_memory import ProxyMemory
 from .state import Instance, Invocation
 from .waits import Offload, Wait
 
-PlanKey = tuple[str, int, tuple[int, ...]]
 #: Plans (batch, input shape) a proxy holds or lowers per model: each new shape costs seconds of CPU
 #: and a plan in the shared model pool, so a function cannot make it lower without end.
 MAX_PLANS_PER_MODEL = 64
@@ -131,19 +130,23 @@ class Resources:
         resolved = self.model_pool.entry(model).name  # zoo: the name; registered: its latest `name@version`
         return self.pinned.setdefault(model, resolved)
 
-    def load(self, model: str, batch: int, shape: tuple[int, ...] | None = None) -> KernelPlan:
-        """The plan of (model, batch, input shape without the batch; None: the configured default
-        shape), its weights resident. A plan the model pool lacks is lowered here, once (blocking:
-        for start-up; at serve time `plan_for` reads or lowers plans on a helper thread)."""
+    def plan_key(self, model: str, batch: int, shape: tuple[int, ...] | None = None) -> PlanKey:
+        """(model as pinned, batch, input shape without the batch; None: the configured default shape)."""
         model = self.pin(model)
         if shape is None:
             entry = self.model_pool.entry(model)  # zoo or registered; UnknownModelError names both
             small = entry.small_input_shape if self.model_shapes == "small" else None
             shape = tuple(small or entry.input_shape)
-        key = (model, batch, tuple(shape))
+        return model, batch, tuple(shape)
+
+    def load(self, model: str, batch: int, shape: tuple[int, ...] | None = None) -> KernelPlan:
+        """The plan of `plan_key(model, batch, shape)`, its weights resident. A plan the model pool
+        lacks is lowered here, once (blocking: for start-up, after `lower_missing` lowered a deploy's
+        plans on several cores; at serve time `plan_for` reads or lowers plans on a helper thread)."""
+        key = self.plan_key(model, batch, shape)
         plan = self.plans.get(key)
         if plan is None:
-            plan = self.model_pool.get_or_lower(model, batch, tuple(shape))
+            plan = self.model_pool.get_or_lower(*key)
             weights = self.memory.models.acquire(plan, self.service)
             del weights
             self.memory.models.release(plan.model, after=self.record(self.service))

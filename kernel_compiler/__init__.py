@@ -8,7 +8,7 @@ by name and version: docs/models.md), ``model_import`` (a user's model into a ch
 ``reference`` (the simplest plan executor, to check plans).
 """
 
-from .lowering import LoweringError, lower_model, lower_module
+from .lowering import LoweringError, lower_model, lower_module, reusing_built_models
 from .memory_profile import KernelMemory, MemoryProfile, profile_plan
 from .model_pool import ModelPool, PoolEntry
 from .ops import invoke_kernel
@@ -33,4 +33,5 @@ __all__ = [
     "lower_model",
     "lower_module",
     "profile_plan",
+    "reusing_built_models",
 ]

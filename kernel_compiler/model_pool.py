@@ -34,6 +34,8 @@ PROFILE_FILE = "memory_profile.json"
 ENV_ROOT = "STREAMBOX_MODEL_POOL"
 
 LowerFn = Callable[[str, int, tuple[int, ...]], KernelPlan]
+#: A plan's key in the pool: model, batch, input shape without the batch.
+PlanKey = tuple[str, int, tuple[int, ...]]
 
 
 def default_root() -> Path:
@@ -88,6 +90,16 @@ class ModelPool:
         shape = tuple(input_shape) if input_shape is not None else entry.input_shape
         check_plan_key(model, batch, shape)
         return self.root / entry.name / f"b{batch}_{_shape_key(shape)}"
+
+    def has(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> bool:
+        """Whether the pool holds the plan (a stale one included: `get_or_lower` lowers it again)."""
+        return (self.path_for(model, batch, input_shape) / PLAN_FILE).exists()
+
+    @property
+    def lowers_zoo_models(self) -> bool:
+        """Whether this pool lowers with the zoo's lowering (`lower_model`), which another process
+        can run for it (`parallel_lowering`), rather than a `lower_fn` of its caller's."""
+        return self._lower is lower_model
 
     def get(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> KernelPlan | None:
         path = self.path_for(model, batch, input_shape)

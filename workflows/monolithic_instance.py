@@ -46,6 +46,7 @@ from streambox.comm.store_protocol import check_put_args
 from streambox.config import Config
 from streambox.device import Runtime, Stream
 from streambox.gc_pauses import freeze_startup_heap, freezing
+from streambox.kernel_compiler.lowering import reusing_built_models
 from streambox.kernel_compiler.plan import KernelPlan
 from streambox.sdk import error_message_of, error_type_of
 
@@ -293,11 +294,12 @@ class Instance:
             # Every batch a message can reach is planned at start (sharing the resident weights), as
             # the proxy prepares them at deploy.
             sizes = [fn.batch_size, *batch_sizes(ProxyFunction.of(self.function, fn))]
-            for model in fn.models:  # its own copy of its models, loaded at start
-                entry = self.wf.model_pool.entry(model)
-                shape = entry.small_input_shape if args.get("model_shapes", "small") == "small" else None
-                for size in sizes:
-                    self.wf.model(model, size, tuple(shape or entry.input_shape))
+            with reusing_built_models():  # a model's plans lowered here share one build of it
+                for model in fn.models:  # its own copy of its models, loaded at start
+                    entry = self.wf.model_pool.entry(model)
+                    shape = entry.small_input_shape if args.get("model_shapes", "small") == "small" else None
+                    for size in sizes:
+                        self.wf.model(model, size, tuple(shape or entry.input_shape))
         except BaseException:
             asyncio.run(self.invoker.close())
             raise

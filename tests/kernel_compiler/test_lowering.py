@@ -168,3 +168,25 @@ def test_invoke_fallback_kernel_copies_into_destination() -> None:
     dst = env["b"]
     out = invoke_kernel(k, env)
     assert out["b"] is dst and dst.tolist() == [0.0, 2.0]
+
+
+def test_a_deploy_builds_each_zoo_model_once_and_lowers_the_same_plans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from streambox.kernel_compiler import lowering
+
+    builds: list[str] = []
+    build = lowering.build_model
+    monkeypatch.setattr(lowering, "build_model", lambda name: builds.append(name) or build(name))
+    shape = ZOO["espcn"].small_input_shape
+    with lowering.reusing_built_models():
+        reused = [lowering.lower_model("espcn", batch, shape) for batch in (1, 2, 3)]
+        other = lowering.lower_model("text_encoder", 1, ZOO["text_encoder"].small_input_shape)
+        again = lowering.lower_model("espcn", 4, shape)  # one model kept at a time: built anew
+    assert builds == ["espcn", "text_encoder", "espcn"] and other.model == "text_encoder"
+    fresh = lowering.lower_model("espcn", 2, shape)  # outside the block: a build of its own
+    assert builds[-1] == "espcn" and len(builds) == 4
+    assert reused[1].kernels == fresh.kernels and reused[1].variables == fresh.variables
+    for name, tensor in fresh.load_weights().items():
+        assert torch.equal(reused[1].load_weights()[name], tensor), name
+    assert [p.batch for p in (*reused, again)] == [1, 2, 3, 4]
