@@ -357,8 +357,9 @@ def lower_model(name: str, batch: int, input_shape: tuple[int, ...] | None = Non
     built = _BUILT.get()
     module = built.get(name) if built is not None else None
     if module is None:
+        if built is not None:
+            built.clear()  # the previous model goes before this one is built
         module = build_model(name)
         if built is not None:
-            built.clear()
             built[name] = module
     return lower_module(module, example_input(name, batch, shape), name)

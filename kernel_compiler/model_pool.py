@@ -14,6 +14,7 @@ copy.
 from __future__ import annotations
 
 import contextlib
+import json
 import numbers
 import os
 import shutil
@@ -27,7 +28,7 @@ from . import model_lease, registry
 from .calibration import CALIBRATION_DIR
 from .lowering import lower_model
 from .memory_profile import MemoryProfile, profile_plan
-from .plan import PLAN_FILE, KernelPlan, StalePlan, share_weights
+from .plan import PLAN_FILE, SCHEMA_VERSION, KernelPlan, StalePlan, share_weights
 from .zoo import ZOO, ModelEntry, UnknownModelError
 
 PROFILE_FILE = "memory_profile.json"
@@ -92,8 +93,13 @@ class ModelPool:
         return self.root / entry.name / f"b{batch}_{_shape_key(shape)}"
 
     def has(self, model: str, batch: int, input_shape: tuple[int, ...] | None = None) -> bool:
-        """Whether the pool holds the plan (a stale one included: `get_or_lower` lowers it again)."""
-        return (self.path_for(model, batch, input_shape) / PLAN_FILE).exists()
+        """Whether the pool holds the plan under the current schema (`get_or_lower` lowers a stale
+        one again)."""
+        try:
+            saved = json.loads((self.path_for(model, batch, input_shape) / PLAN_FILE).read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(saved, dict) and saved.get("schema_version") == SCHEMA_VERSION
 
     @property
     def lowers_zoo_models(self) -> bool:

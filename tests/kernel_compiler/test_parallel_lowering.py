@@ -10,7 +10,7 @@ import pytest
 from streambox.kernel_compiler import parallel_lowering
 from streambox.kernel_compiler.lowering import lower_model
 from streambox.kernel_compiler.model_pool import ModelPool, PlanKey
-from streambox.kernel_compiler.plan import KernelPlan
+from streambox.kernel_compiler.plan import PLAN_FILE, SCHEMA_VERSION, KernelPlan
 
 SHAPE = (3, 16, 16)
 KEYS: list[PlanKey] = [("espcn", batch, SHAPE) for batch in range(1, 7)]
@@ -30,12 +30,18 @@ def _children() -> list[int]:
     return found
 
 
+GIB = 1 << 30
+
+
 @pytest.mark.parametrize(
-    ("missing", "cores", "workers"),
-    [(0, 2, 1), (2, 2, 1), (5, 2, 1), (6, 2, 2), (32, 2, 2), (32, 16, 4), (9, 16, 3), (32, 1, 1)],
+    ("missing", "cores", "memory", "workers"),
+    [(0, 2, 64, 1), (2, 2, 64, 1), (5, 2, 64, 1), (6, 2, 64, 2), (33, 2, 64, 2), (33, 16, 64, 4),
+     (9, 16, 64, 3), (33, 1, 64, 1), (33, 16, 5, 2), (33, 16, 1, 1)],
 )
-def test_a_child_only_for_every_few_missing_plans_one_per_core_at_most(missing, cores, workers) -> None:
-    assert parallel_lowering.workers_for(missing, cores) == workers
+def test_processes_one_per_core_per_few_missing_plans_and_per_two_gib_at_most(
+    missing: int, cores: int, memory: int, workers: int
+) -> None:
+    assert parallel_lowering.workers_for(missing, cores, memory * GIB) == workers
 
 
 def test_the_children_lower_their_share_into_the_pool_and_the_plans_are_the_same(tmp_path: Path) -> None:
@@ -55,7 +61,8 @@ def test_a_child_past_its_time_is_killed_and_its_plans_left_to_the_caller(
     monkeypatch.setattr(parallel_lowering, "CHILD_TIMEOUT_S", 0.0)
     pool = ModelPool(tmp_path / "pool")
     parallel_lowering.lower_missing(pool, KEYS[:4], workers=2)
-    assert _children() == []  # killed and reaped
+    assert _children() == []  # stopped and reaped
+    assert not list(pool.root.rglob(".tmp-*"))  # a child stopped mid-plan removed its folder
     assert pool.has(*KEYS[0]) and pool.has(*KEYS[2])  # this process's share
     assert [pool.get_or_lower(*key).batch for key in KEYS[:4]] == [1, 2, 3, 4]  # the caller's loads
 
@@ -70,3 +77,12 @@ def test_a_pool_with_its_own_lowering_lowers_in_this_process(tmp_path: Path) -> 
     pool = ModelPool(tmp_path / "pool", lower_fn=lower)
     assert parallel_lowering.lower_missing(pool, KEYS[:3], workers=3) == 3
     assert calls == KEYS[:3] and _children() == []
+
+
+def test_a_plan_of_an_older_schema_counts_as_missing(tmp_path: Path) -> None:
+    pool = ModelPool(tmp_path / "pool")
+    pool.get_or_lower(*KEYS[0])
+    saved = pool.path_for(*KEYS[0]) / PLAN_FILE
+    saved.write_text(saved.read_text().replace(f'"schema_version": {SCHEMA_VERSION}', '"schema_version": 1'))
+    assert not pool.has(*KEYS[0])
+    assert parallel_lowering.lower_missing(pool, KEYS[:1]) == 1 and pool.has(*KEYS[0])
