@@ -45,6 +45,7 @@ from streambox.config import (
 
 from .function_spec import ProxyFunction
 from .keepalive import DEFAULT_KEEP_ALIVE_S
+from .template import INSTANCE_PRELOAD
 
 if TYPE_CHECKING:
     from streambox.comm.config import StoreConfig
@@ -93,11 +94,7 @@ class ProxyConfig(Mechanisms, Tuning):
     model_shapes: Literal["small", "full"] = Field(
         default_factory=env_factory("inputs", "model_shapes", default="small")
     )
-    # Modules the template imports before any handler, so its instances inherit them. torchvision:
-    # the SDK's image decoding (`workflows/image_input.py`) imports it at an instance's first image,
-    # 2.5-3.7 s of CPU (it imports torch._dynamo) that each instance paid at its first request when
-    # nothing else in the template imported it.
-    preload: tuple[str, ...] = ("torch", "torchvision")
+    preload: tuple[str, ...] = INSTANCE_PRELOAD  # modules the template imports before any handler
     # torch's intra-op threads in function instances (0: torch's default, one per core). Instances
     # share the host's cores with each other and with the proxy's issuing threads; their handlers'
     # CPU work is small (decoding, resizing, NMS), so more threads only oversubscribe the cores.

@@ -39,7 +39,7 @@ from streambox.api_proxy.device_tensor import DeviceTensor
 from streambox.api_proxy.executor import DeviceModel
 from streambox.api_proxy.function_spec import ProxyFunction
 from streambox.api_proxy.shm_ring import wait_readable
-from streambox.api_proxy.template import warm_up_modules
+from streambox.api_proxy.template import INSTANCE_PRELOAD, preload_modules, warm_up_modules
 from streambox.comm.baselines import FuncIpc
 from streambox.comm.lease import Allocator
 from streambox.comm.store_protocol import check_put_args
@@ -281,6 +281,7 @@ class Instance:
         self.function = args["function"]
         fn = spec.functions[self.function]
         handler = resolve_handler(fn.handler, base_dir)
+        preload_modules(INSTANCE_PRELOAD)  # as the proxy's template does for its instances
         warm_up_modules([handler])  # the lazy work its module does ahead of requests, as the proxy's template
         self.gpu_percent: int | None = args.get("gpu_percent")
         self.invoker = LocalInvoker.open(
